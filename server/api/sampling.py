@@ -1,0 +1,145 @@
+"""Sampling: create_sampling_session, GET samplers/{id}, asample (which also serves compute_logprobs)."""
+
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+
+from server.api.deps import (
+    PROTOBUF,
+    OwnerDep,
+    Services,
+    ServicesDep,
+    new_request_id,
+    payload_hash,
+    read_body,
+    session_of,
+)
+from server.api.models import check_base_model
+from server.api.weights import checkpoint_of
+from server.errors import InvalidRequest, NotFound, PayloadTooLarge
+from server.rendering.training import model_input_token_ids
+from server.sampling.embedded import PromptInput, SamplingOptions
+from server.store.store import SamplingSessionRecord
+from server.training.lora import LoraAdapter, use_adapter
+from server.wire.proto import SampledSequenceOut, encode_sample_response
+from server.wire.types import (
+    CreateSamplingSessionRequest,
+    CreateSamplingSessionResponse,
+    GetSamplerResponse,
+    SampleRequest,
+    UntypedAPIFuture,
+)
+
+router = APIRouter(prefix="/api/v1")
+
+MAX_NUM_SAMPLES = 256
+
+
+def sampler_of(services: Services, sampling_session_id: str, owner: str) -> SamplingSessionRecord:
+    record = services.store.get_sampling_session(sampling_session_id)
+    if record is None or record.owner != owner:
+        raise NotFound(f"no sampling session {sampling_session_id}")
+    return record
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(body: CreateSamplingSessionRequest, services: ServicesDep,
+                                  owner: OwnerDep) -> CreateSamplingSessionResponse:
+    """A sampler over the base model or over a saved checkpoint."""
+    session_of(services.store, body.session_id, owner)
+    check_base_model(services, body.base_model)
+    if body.model_path is not None:
+        checkpoint_of(services, body.model_path, owner)
+    sampling_session_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
+    if services.store.get_sampling_session(sampling_session_id) is None:
+        services.store.create_sampling_session(SamplingSessionRecord(
+            sampling_session_id=sampling_session_id, session_id=body.session_id, owner=owner,
+            base_model=services.base.name, model_path=body.model_path))
+    return CreateSamplingSessionResponse(sampling_session_id=sampling_session_id)
+
+
+@router.get("/samplers/{sampling_session_id}")
+async def get_sampler(sampling_session_id: str, services: ServicesDep, owner: OwnerDep) -> GetSamplerResponse:
+    """Which model a sampler samples (the SDK asks when it only knows a model_path)."""
+    record = sampler_of(services, sampling_session_id, owner)
+    return GetSamplerResponse(sampler_id=record.sampling_session_id, base_model=record.base_model,
+                              model_path=record.model_path)
+
+
+def _adapter_resolver(services: Services, record: SamplingSessionRecord | None, model_path: str | None, owner: str):
+    """A function (run on the sampling thread) giving the adapter to sample with; None is the base model."""
+    if record is not None and record.source_model_id is not None:
+        return lambda: services.adapters.ephemeral(record.sampling_session_id)
+    path = record.model_path if record is not None else model_path
+    if path is None:
+        return lambda: None
+    checkpoint = checkpoint_of(services, path, owner)
+    return lambda: services.adapters.saved(Path(checkpoint.directory))
+
+
+def sampling_options(services: Services, request: SampleRequest, prompt_length: int) -> SamplingOptions:
+    """The request's SamplingParams with the server's defaults, limits and EOS rule applied."""
+    params = request.sampling_params
+    limits = services.config.limits
+    max_tokens = params.max_tokens or services.config.sampler.max_new_tokens_default
+    if max_tokens > limits.max_sample_tokens:
+        raise InvalidRequest(f"max_tokens {max_tokens} is over the limit of {limits.max_sample_tokens}")
+    if prompt_length + max_tokens > limits.max_sequence_length:
+        raise PayloadTooLarge(f"prompt ({prompt_length} tokens) + max_tokens ({max_tokens}) is over the "
+                              f"context limit of {limits.max_sequence_length}")
+    stops = params.stop_conditions()
+    # stop=None keeps EOS stopping and stop=[] disables every stop; explicit stops come on top of EOS.
+    eos = () if stops.ignore_eos else services.base.eos_token_ids
+    return SamplingOptions(max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k,
+                           top_p=params.top_p, seed=params.seed,
+                           stop_token_ids=tuple(dict.fromkeys([*eos, *stops.stop_token_ids])),
+                           stop_strings=tuple(stops.stop_strings))
+
+
+@router.post("/asample")
+async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
+    """Sample completions (and prompt logprobs) for one prompt."""
+    body = await read_body(request, services.config.limits.max_request_bytes)
+    sample = SampleRequest.model_validate_json(body)
+    record = None
+    if sample.sampling_session_id is not None:
+        record = sampler_of(services, sample.sampling_session_id, owner)
+    else:
+        check_base_model(services, sample.base_model)
+    resolve_adapter = _adapter_resolver(services, record, sample.model_path, owner)
+    if sample.num_samples > MAX_NUM_SAMPLES:
+        raise InvalidRequest(f"num_samples {sample.num_samples} is over the limit of {MAX_NUM_SAMPLES}")
+    if sample.topk_sample_logprobs or sample.prompt_alt_tokens_k or sample.target_prompt_logprobs is not None:
+        raise InvalidRequest("topk_sample_logprobs, prompt_alt_tokens_k and target_prompt_logprobs are not "
+                             "supported by this server yet")
+    input_ids = model_input_token_ids(sample.prompt, services.base.vocab_size,
+                                      services.config.limits.max_sequence_length, "prompt")
+    options = sampling_options(services, sample, len(input_ids))
+    want_prompt_logprobs = sample.prompt_logprobs or sample.topk_prompt_logprobs > 0
+
+    def work():
+        adapter: LoraAdapter | None = resolve_adapter()
+        with use_adapter(adapter):
+            output = services.sampler.sample(PromptInput(input_ids), options, num_samples=sample.num_samples,
+                                             include_prompt_logprobs=want_prompt_logprobs,
+                                             topk_prompt_logprobs=sample.topk_prompt_logprobs)
+        prompt_logprobs = output.prompt_logprobs if sample.prompt_logprobs else None
+        topk = output.topk_prompt_logprobs if sample.topk_prompt_logprobs else None
+        if sample.prompt_logprobs_last_n is not None:
+            # Positions before the last n are reported as "no value" (NaN on the wire).
+            first = max(0, len(input_ids) - sample.prompt_logprobs_last_n)
+            prompt_logprobs = prompt_logprobs and [None] * first + prompt_logprobs[first:]
+            topk = topk and [None] * first + topk[first:]
+        sequences = [SampledSequenceOut(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason)
+                     for s in output.sequences]
+        return encode_sample_response(sequences, prompt_logprobs=prompt_logprobs,
+                                      topk_prompt_logprobs=topk), PROTOBUF
+
+    sampler_id = sample.sampling_session_id or f"direct:{owner}"
+    seq_id = sample.seq_id
+    request_id = await services.scheduler.submit_sampling(
+        request_id=new_request_id(), sampling_session_id=sampler_id, seq_id=seq_id, payload_hash=payload_hash(body),
+        work=work)
+    sequence_ids = [f"{sampler_id}:seq:{request_id if seq_id is None else seq_id}:{i}"
+                    for i in range(sample.num_samples)]
+    return UntypedAPIFuture(request_id=request_id, sample_sequence_ids=sequence_ids)

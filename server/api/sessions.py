@@ -1,0 +1,83 @@
+"""Client bootstrap and session lifecycle: client/config, sessions, heartbeats, finish, telemetry."""
+
+import uuid
+
+from fastapi import APIRouter, Query
+
+from server.api.deps import OwnerDep, ServicesDep, session_of
+from server.errors import Gone
+from server.wire.types import (
+    ClientConfigRequest,
+    ClientConfigResponse,
+    CreateSessionRequest,
+    CreateSessionResponse,
+    FinishSessionRequest,
+    GetSessionResponse,
+    ListSessionsResponse,
+    SessionHeartbeatRequest,
+    SessionHeartbeatResponse,
+    TelemetryBatch,
+    TelemetryResponse,
+)
+
+router = APIRouter(prefix="/api/v1")
+
+
+@router.post("/client/config")
+async def client_config(body: ClientConfigRequest, services: ServicesDep) -> ClientConfigResponse:
+    """Feature flags the SDK reads before anything else."""
+    flags = services.config.client
+    return ClientConfigResponse(proto_compress_fwdbwd=flags.proto_compress_fwdbwd,
+                                fwdbwd_max_chunk_len=flags.fwdbwd_max_chunk_len)
+
+
+@router.post("/create_session")
+async def create_session(body: CreateSessionRequest, services: ServicesDep, owner: OwnerDep) -> CreateSessionResponse:
+    """Open an SDK session."""
+    session_id = str(uuid.uuid4())
+    metadata = {str(k): str(v) for k, v in (body.user_metadata or {}).items()}
+    services.store.create_session(session_id, tags=body.tags, user_metadata=metadata, sdk_version=body.sdk_version,
+                                  display_name=body.display_name, owner=owner)
+    return CreateSessionResponse(session_id=session_id)
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(body: SessionHeartbeatRequest, services: ServicesDep,
+                            owner: OwnerDep) -> SessionHeartbeatResponse:
+    """Keep a session alive; a finished session answers 410, which stops the SDK's heartbeat loop."""
+    session_of(services.store, body.session_id, owner)
+    if not services.store.heartbeat_session(body.session_id):
+        raise Gone(f"session {body.session_id} is finished")
+    return SessionHeartbeatResponse()
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, body: FinishSessionRequest, services: ServicesDep,
+                         owner: OwnerDep) -> dict:
+    """Close a session (ServiceClient.close); its runs and checkpoints stay listed."""
+    session_of(services.store, session_id, owner)
+    services.store.finish_session(session_id, body.reason.type)
+    return {}
+
+
+@router.get("/sessions")
+async def list_sessions(services: ServicesDep, owner: OwnerDep, limit: int = Query(20, ge=1, le=1000),
+                        offset: int = Query(0, ge=0)) -> ListSessionsResponse:
+    """The caller's sessions, newest first."""
+    sessions = services.store.list_sessions(owner=owner, limit=limit, offset=offset)
+    return ListSessionsResponse(sessions=[s.session_id for s in sessions])
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, services: ServicesDep, owner: OwnerDep) -> GetSessionResponse:
+    """A session's training runs and samplers."""
+    session = session_of(services.store, session_id, owner)
+    return GetSessionResponse(training_run_ids=services.store.list_training_run_ids(session_id),
+                              sampler_ids=services.store.list_sampling_session_ids(session_id),
+                              user_metadata=session.user_metadata or None, display_name=session.display_name)
+
+
+@router.post("/telemetry")
+async def telemetry(body: TelemetryBatch) -> TelemetryResponse:
+    """Accept and drop client telemetry."""
+    return TelemetryResponse()

@@ -1,0 +1,66 @@
+"""forward_backward (protobuf in, protobuf out; also `forward`) and optim_step."""
+
+from fastapi import APIRouter, Request
+
+from server.api.deps import PROTOBUF, OwnerDep, ServicesDep, json_result, read_body, run_of, submit_training_op
+from server.errors import InvalidRequest
+from server.rendering.training import render_training_datum
+from server.training.losses import resolve_loss
+from server.wire.proto import decode_forward_backward_request, encode_forward_backward_output
+from server.wire.types import AdamParams, OptimStepRequest, OptimStepResponse, UntypedAPIFuture
+
+router = APIRouter(prefix="/api/v1")
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
+    """Compute the loss on a batch and, unless forward_only, accumulate its gradients."""
+    limits = services.config.limits
+    body = await read_body(request, limits.max_request_bytes)
+    try:
+        fwdbwd = decode_forward_backward_request(body, request.headers.get("content-encoding"))
+    except ValueError as error:
+        raise InvalidRequest(f"malformed forward_backward request: {error}") from None
+    run_of(services.store, fwdbwd.model_id, owner)
+
+    def prepare():
+        if not fwdbwd.data:
+            raise InvalidRequest("forward_backward needs at least one datum")
+        resolve_loss(fwdbwd.loss_fn, fwdbwd.loss_fn_config)
+        examples = [render_training_datum(datum, index, services.base.vocab_size, limits.max_sequence_length)
+                    for index, datum in enumerate(fwdbwd.data)]
+
+        def work():
+            result = services.trainer.forward_backward(fwdbwd.model_id, examples, fwdbwd.loss_fn,
+                                                       fwdbwd.loss_fn_config, fwdbwd.forward_only)
+            services.store.touch_training_run(fwdbwd.model_id)
+            return encode_forward_backward_output(result.outputs, result.metrics), PROTOBUF
+
+        return work
+
+    request_id = await submit_training_op(services, model_id=fwdbwd.model_id, seq_id=fwdbwd.seq_id,
+                                          request_type="Forward" if fwdbwd.forward_only else "ForwardBackward",
+                                          body=body, prepare=prepare)
+    return UntypedAPIFuture(request_id=request_id, model_id=fwdbwd.model_id)
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
+    """Apply one AdamW step with every AdamParams field, then clear the gradients."""
+    body = await read_body(request, services.config.limits.max_request_bytes)
+    step = OptimStepRequest.model_validate_json(body)
+    run_of(services.store, step.model_id, owner)
+
+    def prepare():
+        if not isinstance(step.adam_params, AdamParams):
+            raise InvalidRequest("this server trains with AdamW; send adam_params")
+
+        def work():
+            metrics = services.trainer.optim_step(step.model_id, step.adam_params)
+            return json_result(OptimStepResponse(metrics=metrics))
+
+        return work
+
+    request_id = await submit_training_op(services, model_id=step.model_id, seq_id=step.seq_id,
+                                          request_type="OptimStep", body=body, prepare=prepare)
+    return UntypedAPIFuture(request_id=request_id, model_id=step.model_id)

@@ -1,0 +1,171 @@
+"""Checkpoints of training runs: save_weights, save_weights_for_sampler, load_weights, weights_info."""
+
+import shutil
+from datetime import timedelta
+
+from fastapi import APIRouter, Request
+
+from server.api.deps import (
+    OwnerDep,
+    Services,
+    ServicesDep,
+    json_result,
+    read_body,
+    run_of,
+    session_of,
+    submit_training_op,
+)
+from server.api.models import check_base_model, model_id_for
+from server.errors import InvalidRequest, NotFound
+from server.scheduler.scheduler import CREATION_SEQ_ID
+from server.store.checkpoints import TinkerPath, parse_tinker_path
+from server.store.store import CheckpointRecord, SamplingSessionRecord, TrainingRunRecord, utcnow
+from server.wire.types import (
+    LoadWeightsRequest,
+    LoadWeightsResponse,
+    SaveWeightsForSamplerRequest,
+    SaveWeightsForSamplerResponse,
+    SaveWeightsRequest,
+    SaveWeightsResponse,
+    UntypedAPIFuture,
+    WeightsInfoRequest,
+    WeightsInfoResponse,
+)
+
+router = APIRouter(prefix="/api/v1")
+
+
+def checkpoint_of(services: Services, path: str, owner: str) -> CheckpointRecord:
+    """The caller's checkpoint behind a tinker:// path, or 404."""
+    tinker_path = parse_tinker_path(path)
+    record = services.store.get_checkpoint(str(tinker_path))
+    if record is None or record.owner != owner:
+        raise NotFound(f"no checkpoint {path}")
+    return record
+
+
+def _save(services: Services, run: TrainingRunRecord, tinker_path: TinkerPath, *, overwrite: bool,
+          ttl_seconds: int | None, user_metadata: dict[str, str] | None, write) -> None:
+    """Write a checkpoint's files with `write(directory)` and record it (worker thread, in seq_id order)."""
+    directory = tinker_path.directory(services.config.store.checkpoint_dir)
+    if services.store.get_checkpoint(str(tinker_path)) is not None:
+        if not overwrite:
+            raise InvalidRequest(f"checkpoint {tinker_path} already exists; choose another name")
+        shutil.rmtree(directory, ignore_errors=True)
+        services.adapters.forget(directory)
+    size = write(directory)
+    now = utcnow()
+    services.store.add_checkpoint(CheckpointRecord(
+        tinker_path=str(tinker_path), model_id=run.model_id, checkpoint_id=tinker_path.checkpoint_id,
+        checkpoint_type=tinker_path.checkpoint_type, directory=str(directory), size_bytes=size, owner=run.owner,
+        user_metadata=user_metadata or {}, created_at=now,
+        expires_at=now + timedelta(seconds=ttl_seconds) if ttl_seconds else None))
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
+    """Save adapter + optimizer state as tinker://MODEL/weights/NAME (save_state)."""
+    body = await read_body(request, services.config.limits.max_request_bytes)
+    save = SaveWeightsRequest.model_validate_json(body)
+    run = run_of(services.store, save.model_id, owner)
+
+    def prepare():
+        tinker_path = TinkerPath(run.model_id, "weights", save.path or f"state-{save.seq_id}")
+        parse_tinker_path(str(tinker_path))  # validates the name
+
+        def work():
+            _save(services, run, tinker_path, overwrite=save.overwrite, ttl_seconds=save.ttl_seconds,
+                  user_metadata=save.user_metadata,
+                  write=lambda directory: services.trainer.save_state(run.model_id, directory))
+            return json_result(SaveWeightsResponse(path=str(tinker_path)))
+
+        return work
+
+    request_id = await submit_training_op(services, model_id=run.model_id, seq_id=save.seq_id,
+                                          request_type="SaveWeights", body=body, prepare=prepare)
+    return UntypedAPIFuture(request_id=request_id, model_id=run.model_id)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
+    """Save the adapter for sampling: named (a PEFT checkpoint) or ephemeral (a new sampling session)."""
+    body = await read_body(request, services.config.limits.max_request_bytes)
+    save = SaveWeightsForSamplerRequest.model_validate_json(body)
+    run = run_of(services.store, save.model_id, owner)
+
+    def prepare():
+        if save.path is None:
+            return ephemeral_work
+
+        tinker_path = TinkerPath(run.model_id, "sampler_weights", save.path)
+        parse_tinker_path(str(tinker_path))
+
+        def work():
+            _save(services, run, tinker_path, overwrite=True, ttl_seconds=save.ttl_seconds,
+                  user_metadata=save.user_metadata,
+                  write=lambda directory: services.trainer.save_for_sampler(run.model_id, directory))
+            return json_result(SaveWeightsForSamplerResponse(path=str(tinker_path)))
+
+        return work
+
+    def ephemeral_work():
+        sampling_session_id = f"{run.session_id}:sample:{save.sampling_session_seq_id}"
+        services.adapters.add_ephemeral(sampling_session_id, run.model_id, services.trainer.snapshot(run.model_id))
+        if services.store.get_sampling_session(sampling_session_id) is None:
+            services.store.create_sampling_session(SamplingSessionRecord(
+                sampling_session_id=sampling_session_id, session_id=run.session_id, owner=owner,
+                base_model=services.base.name, model_path=None, source_model_id=run.model_id))
+        return json_result(SaveWeightsForSamplerResponse(sampling_session_id=sampling_session_id))
+
+    request_id = await submit_training_op(services, model_id=run.model_id, seq_id=save.seq_id,
+                                          request_type="SaveWeightsForSampler", body=body, prepare=prepare)
+    return UntypedAPIFuture(request_id=request_id, model_id=run.model_id)
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
+    """Load a checkpoint into an existing run, or create a run from it (create-via-load)."""
+    body = await read_body(request, services.config.limits.max_request_bytes)
+    load = LoadWeightsRequest.model_validate_json(body)
+    if load.model_id is not None:
+        run = run_of(services.store, load.model_id, owner)
+        model_id, seq_id = run.model_id, load.seq_id
+
+        def prepare():
+            checkpoint = checkpoint_of(services, load.path, owner)
+
+            def work():
+                services.trainer.load_state(model_id, checkpoint.directory, load.optimizer)
+                return json_result(LoadWeightsResponse(path=load.path, model_id=model_id))
+
+            return work
+    else:
+        session_of(services.store, load.session_id, owner)
+        check_base_model(services, load.base_model)
+        model_id, seq_id = model_id_for(load.session_id, load.model_seq_id), CREATION_SEQ_ID
+
+        def prepare():
+            checkpoint = checkpoint_of(services, load.path, owner)
+
+            def work():
+                lora = services.trainer.create_model_from_checkpoint(model_id, checkpoint.directory, load.optimizer)
+                services.store.create_training_run(TrainingRunRecord(
+                    model_id=model_id, session_id=load.session_id, owner=owner, base_model=services.base.name,
+                    model_seq_id=load.model_seq_id, lora_rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
+                    train_attn=lora.train_attn, train_unembed=lora.train_unembed))
+                return json_result(LoadWeightsResponse(path=load.path, model_id=model_id))
+
+            return work
+
+    request_id = await submit_training_op(services, model_id=model_id, seq_id=seq_id, request_type="LoadWeights",
+                                          body=body, prepare=prepare)
+    return UntypedAPIFuture(request_id=request_id, model_id=model_id)
+
+
+@router.post("/weights_info")
+async def weights_info(body: WeightsInfoRequest, services: ServicesDep, owner: OwnerDep) -> WeightsInfoResponse:
+    """What a checkpoint is: base model and LoRA settings (used by the CLI and cookbook tools)."""
+    checkpoint = checkpoint_of(services, body.tinker_path, owner)
+    run = run_of(services.store, checkpoint.model_id, owner)
+    return WeightsInfoResponse(base_model=run.base_model, is_lora=True, lora_rank=run.lora_rank,
+                               train_unembed=run.train_unembed, train_mlp=run.train_mlp, train_attn=run.train_attn)

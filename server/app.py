@@ -1,0 +1,90 @@
+"""The FastAPI app: builds the services (store, model, trainer, sampler, scheduler) and maps errors.
+
+`create_app(config)` is all a caller needs; the lifespan loads the model before the first request
+is served and closes everything on shutdown. The one error handler turns `TinkerServerError` (and
+request validation errors) into a 4xx/5xx with a body that says what is wrong.
+"""
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from server.api import futures, models, rest, sampling, sessions, training, weights
+from server.api.deps import Services
+from server.config import ServerConfig
+from server.errors import Conflict, TinkerServerError
+from server.models.loading import load_base_model
+from server.sampling.adapters import SamplerAdapters
+from server.sampling.embedded import EmbeddedSampler
+from server.scheduler.scheduler import Scheduler
+from server.store.store import Store
+from server.training.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+RETENTION_INTERVAL_SECONDS = 600.0
+
+
+def build_services(config: ServerConfig) -> Services:
+    """Open the journal, load the base model and wire the engines together."""
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(config.store.database_url)
+    abandoned = store.fail_pending_futures("the server restarted before this request finished; send it again")
+    if abandoned:
+        logger.warning("%d requests were pending at the last shutdown and are marked failed", abandoned)
+    base = load_base_model(config.model)
+    trainer = Trainer(base, config.trainer)
+    sampler = EmbeddedSampler(base.model, base.tokenizer, device=config.model.device)
+    return Services(config=config, store=store, scheduler=Scheduler(store), base=base, trainer=trainer,
+                    sampler=sampler, adapters=SamplerAdapters(config.sampler, config.model.device))
+
+
+async def _retention_loop(services: Services) -> None:
+    """Keep the futures journal bounded."""
+    while True:
+        await asyncio.sleep(RETENTION_INTERVAL_SECONDS)
+        seconds = services.config.store.future_retention_seconds
+        await asyncio.to_thread(services.store.delete_finished_futures_older_than, seconds)
+
+
+def _error_body(message: str, category: str) -> dict:
+    # `detail` is what FastAPI clients expect; `error`/`category` mirror a failed future.
+    return {"detail": message, "error": message, "category": category}
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        services = await asyncio.to_thread(build_services, config)
+        app.state.services = services
+        retention = asyncio.create_task(_retention_loop(services))
+        logger.info("serving %s from %s", services.base.name, services.base.path)
+        try:
+            yield
+        finally:
+            retention.cancel()
+            services.scheduler.close()
+            services.store.close()
+
+    app = FastAPI(title="Tinker-compatible training service", lifespan=lifespan)
+    for module in (sessions, models, training, weights, sampling, futures, rest):
+        app.include_router(module.router)
+
+    @app.exception_handler(TinkerServerError)
+    async def server_error(request: Request, error: TinkerServerError) -> JSONResponse:
+        # The SDK retries 409s for minutes; a conflicting seq_id never succeeds, so say so.
+        headers = {"x-should-retry": "false"} if isinstance(error, Conflict) else None
+        return JSONResponse(_error_body(str(error), error.category), status_code=error.status_code, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    @app.exception_handler(ValidationError)
+    async def invalid_body(request: Request, error: ValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
+        return JSONResponse(_error_body(f"invalid request: {problems}", "user"), status_code=400)
+
+    return app

@@ -1,0 +1,126 @@
+"""One settings tree for the whole server, parsed once from the command line (and env for secrets).
+
+Only this module reads `os.environ`. Every component receives its own sub-config object;
+nothing re-reads flags later.
+"""
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BUILTIN_PREFIX = "builtin:"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    database_url: str
+    """SQLAlchemy URL of the journal: SQLite under the data dir by default, or PostgreSQL."""
+    checkpoint_dir: Path
+    """Where checkpoint files (adapter + optimizer, PEFT sampler adapters) are written."""
+    future_retention_seconds: float = 24 * 3600
+    """Finished futures older than this are deleted from the journal, so it stays bounded."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    base_model: str
+    """Name clients use: a hub-style name (`Qwen/Qwen3-VL-4B-Instruct`) or `builtin:tiny-...`."""
+    model_path: Path | None
+    """Directory holding the model; None means the built-in builder or the local hub cache."""
+    model_cache_dir: Path
+    """Where built-in tiny models are built on first use."""
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    max_tokens_per_microbatch: int = 16384
+    """Datums are packed into micro-batches of at most this many (padded) tokens."""
+    logprob_chunk_size: int = 1024
+    """Positions per lm_head chunk: full-vocabulary logits never exist for a whole batch."""
+    lora_alpha: float = 32.0
+    """LoRA scale numerator (scale = alpha / rank), reported in every saved adapter_config.json."""
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    max_new_tokens_default: int = 128
+    """max_tokens when the client leaves it unset."""
+    max_ephemeral_per_model: int = 8
+    """Sampler snapshots kept in memory per training run by save_weights_and_get_sampling_client."""
+    max_loaded_adapters: int = 16
+    """Saved sampler adapters kept loaded (least recently used ones are reloaded on demand)."""
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_sequence_length: int = 32768
+    """Longest rendered sequence accepted for training or sampling."""
+    max_request_bytes: int = 256 * 1024 * 1024
+    """Largest (decompressed) request body."""
+    max_sample_tokens: int = 8192
+    """Largest max_tokens a sampling request may ask for."""
+
+
+@dataclass(frozen=True)
+class ClientFlagsConfig:
+    """Feature flags sent to every SDK client through client/config."""
+
+    proto_compress_fwdbwd: bool = True
+    """Clients zstd-compress forward_backward bodies."""
+    fwdbwd_max_chunk_len: int | None = None
+    """Datums per forward_backward request the SDK sends (None: the SDK's default, 1024)."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: ModelConfig
+    store: StoreConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = Path("./data")
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    client: ClientFlagsConfig = field(default_factory=ClientFlagsConfig)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """The CLI of `python -m server` (frozen by tests/unit/test_cli.py)."""
+    parser = argparse.ArgumentParser(prog="python -m server", description="Tinker-compatible training service")
+    parser.add_argument("--base-model", required=True,
+                        help="model name clients use, e.g. Qwen/Qwen3-VL-4B-Instruct or builtin:tiny-qwen2-vl")
+    parser.add_argument("--model-path", type=Path, default=None, help="directory holding the model's files")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--data-dir", type=Path, default=Path("./data"),
+                        help="SQLite journal, checkpoints and built-in models live here")
+    parser.add_argument("--database-url", default=None,
+                        help="SQLAlchemy URL (e.g. postgresql+psycopg://...); env TINKER_SERVER_DATABASE_URL; "
+                             "default: SQLite under --data-dir")
+    parser.add_argument("--device", default="cpu", help="torch device for training and the embedded sampler")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the frozen base weights (LoRA weights and optimizer state stay float32)")
+    parser.add_argument("--fwdbwd-chunk-len", type=int, default=None,
+                        help="datums per forward_backward request that clients send (SDK default 1024)")
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> ServerConfig:
+    """Parse flags (and env for the database URL) into the settings tree."""
+    args = build_arg_parser().parse_args(argv)
+    data_dir = args.data_dir.resolve()
+    database_url = args.database_url or os.environ.get("TINKER_SERVER_DATABASE_URL") \
+        or f"sqlite:///{data_dir / 'server.db'}"
+    return ServerConfig(
+        model=ModelConfig(base_model=args.base_model, model_path=args.model_path,
+                          model_cache_dir=data_dir / "models", device=args.device, dtype=args.dtype),
+        store=StoreConfig(database_url=database_url, checkpoint_dir=data_dir / "checkpoints"),
+        host=args.host, port=args.port, data_dir=data_dir,
+        client=ClientFlagsConfig(fwdbwd_max_chunk_len=args.fwdbwd_chunk_len))

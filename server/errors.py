@@ -1,0 +1,47 @@
+"""The one error hierarchy of the server.
+
+Each error carries the HTTP status it maps to and also inherits the stdlib error it stands for,
+so plain Python code can catch it naturally. `app.py` has the single handler that turns these into
+the response body; inside a request's future they become `{"error", "category"}`.
+"""
+
+
+class TinkerServerError(Exception):
+    """Base of every error the server reports to a client."""
+
+    status_code = 500
+    category = "server"
+
+
+class InvalidRequest(TinkerServerError, ValueError):
+    """The request is malformed or asks for something impossible (a user error)."""
+
+    status_code = 400
+    category = "user"
+
+
+class NotFound(TinkerServerError, LookupError):
+    """The named session, model, sampler, future or checkpoint does not exist."""
+
+    status_code = 404
+    category = "user"
+
+
+class Conflict(TinkerServerError):
+    """A `seq_id` was reused with a different payload, or a name is already taken."""
+
+    status_code = 409
+    category = "user"
+
+
+class Gone(TinkerServerError):
+    """The session was finished or the resource expired."""
+
+    status_code = 410
+    category = "user"
+
+
+class PayloadTooLarge(InvalidRequest):
+    """A body, image or sequence is over a configured limit."""
+
+    status_code = 413

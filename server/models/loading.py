@@ -1,0 +1,63 @@
+"""Resolve the served base model to a directory and load it (weights frozen) with its tokenizer.
+
+Knows the three places a model can come from: a built-in tiny model (built on first use), an
+explicit `--model-path` directory, or the local hub cache. Never touches the network.
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+from server.config import BUILTIN_PREFIX, ModelConfig
+from server.models.registry import ModelFamily, family_for
+from server.models.tiny import ensure_builtin_model
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    """The name clients use (`base_model`)."""
+    path: Path
+    family: ModelFamily
+    model: torch.nn.Module
+    tokenizer: transformers.PreTrainedTokenizerBase
+    vocab_size: int
+    """Rows of the embedding matrix: token ids must be below this."""
+    eos_token_ids: tuple[int, ...]
+
+
+def resolve_model_dir(config: ModelConfig) -> Path:
+    """Where the base model's files are: --model-path, the built-in builder, or the local hub cache."""
+    if config.model_path is not None:
+        if not (config.model_path / "config.json").exists():
+            raise ValueError(f"--model-path {config.model_path} has no config.json")
+        return config.model_path.resolve()
+    if config.base_model.startswith(BUILTIN_PREFIX):
+        return ensure_builtin_model(config.base_model[len(BUILTIN_PREFIX):], config.model_cache_dir)
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(config.base_model, local_files_only=True))
+    except Exception as exc:
+        raise ValueError(f"{config.base_model!r} is neither builtin:... nor in the local hub cache; "
+                         f"pass --model-path DIR") from exc
+
+
+def load_base_model(config: ModelConfig) -> LoadedModel:
+    """Load the frozen base model in `config.dtype` on `config.device`."""
+    path = resolve_model_dir(config)
+    hf_config = transformers.AutoConfig.from_pretrained(path)
+    family = family_for(hf_config.model_type)
+    auto_class = getattr(transformers, family.auto_class)
+    model = auto_class.from_pretrained(path, dtype=getattr(torch, config.dtype), attn_implementation="sdpa")
+    model.to(config.device).eval().requires_grad_(False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    eos = model.generation_config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else (tokenizer.eos_token_id,))
+    return LoadedModel(name=config.base_model, path=path, family=family, model=model, tokenizer=tokenizer,
+                       vocab_size=model.get_input_embeddings().num_embeddings, eos_token_ids=eos_ids)

@@ -1,0 +1,268 @@
+"""The embedded sampling engine: HF transformers with a KV cache, on CPU or GPU.
+
+It serves `sample` and `compute_logprobs` when vLLM is absent: prefill the prompt once, copy the
+cache into one row per sample, decode all rows together. It knows nothing about HTTP, the wire
+format, LoRA or rendering: the caller hands it prompt ids (plus prefill-only model kwargs such as
+pixel values) and a model already set to the right adapter.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from server.errors import InvalidRequest
+
+# Tensor shape suffixes:
+#   L  prompt positions            N  samples asked for (num_samples)
+#   R  rows still decoding         V  vocabulary
+#   C  a chunk of prompt positions K  top-k alternatives
+
+# Prompt logprobs are computed this many fp32 elements at a time (256 MiB), whatever the vocabulary.
+_PROMPT_LOGPROB_CHUNK_ELEMENTS = 1 << 26
+# Extra tail tokens decoded for stop strings, so that a token whose text depends on its left
+# context (a leading space, half of a UTF-8 character) never sits inside a stop string.
+_STOP_WINDOW_MARGIN = 8
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How to sample one request: Tinker's SamplingParams after the caller resolved stops."""
+
+    max_tokens: int
+    """Hard cap on the number of generated tokens."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_k: int = -1
+    """Keep only the k most likely tokens; -1 (or 0, as vLLM allows) means no limit."""
+    top_p: float = 1.0
+    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
+    seed: int | None = None
+    """Seed of the request's generator; None draws a fresh one."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Stop when one is sampled; it stays as the last output token. EOS ids come from the caller."""
+    stop_strings: tuple[str, ...] = ()
+    """Stop right after the token that makes the decoded completion contain one."""
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < -1:
+            raise InvalidRequest(f"top_k must be -1 (no limit) or positive, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """One rendered prompt: token ids, plus model kwargs that only the prefill takes."""
+
+    input_ids: list[int]
+    prefill_kwargs: dict[str, torch.Tensor] = field(default_factory=dict)
+    """E.g. pixel_values, image_grid_thw. `position_ids` ([1, L], or M-RoPE [3, 1, L]) also steers
+    decoding: every decode step continues from their maximum + 1, as HF's rope_deltas and vLLM do."""
+
+    def __post_init__(self):
+        if not self.input_ids:
+            raise InvalidRequest("the prompt is empty")
+
+
+@dataclass
+class SampledSequence:
+    """One completion."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    """Logprob of each token under the raw model distribution (no temperature, top-k or top-p)."""
+    stop_reason: str
+    """"stop" (stop token or stop string) or "length" (max_tokens reached)."""
+
+
+@dataclass
+class SampleOutput:
+    """The completions of one prompt, and its logprobs when they were asked for."""
+
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None
+    """Per prompt position; None at position 0."""
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None
+    """Per prompt position, the k best (token, logprob), best first; None at position 0."""
+
+
+class EmbeddedSampler:
+    """Samples from an HF causal LM with a DynamicCache; one instance may serve many threads."""
+
+    def __init__(self, model, tokenizer, *, device: torch.device | str = "cpu"):
+        # Per-call state lives in locals and the call's own cache, never here or on the model,
+        # because a training thread may run the same modules meanwhile.
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompt: PromptInput,
+        options: SamplingOptions,
+        *,
+        num_samples: int = 1,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> SampleOutput:
+        """Sample `num_samples` completions of one prompt, with its logprobs when asked."""
+        if num_samples < 1:
+            raise InvalidRequest(f"num_samples must be at least 1, got {num_samples}")
+        score_prompt = include_prompt_logprobs or topk_prompt_logprobs > 0
+        prefill_kwargs = {name: value.to(self.device) for name, value in prompt.prefill_kwargs.items()}
+        input_ids_1L = torch.tensor([prompt.input_ids], dtype=torch.long, device=self.device)
+        cache = DynamicCache(config=self.model.config)
+        logits_1LV = self.model(
+            input_ids=input_ids_1L,
+            past_key_values=cache,
+            use_cache=True,
+            # Full-vocabulary logits for every position only when the prompt is scored.
+            logits_to_keep=0 if score_prompt else 1,
+            **prefill_kwargs,
+        ).logits
+
+        prompt_logprobs = topk = None
+        if score_prompt:
+            prompt_logprobs, topk = _score_prompt(logits_1LV[0], input_ids_1L[0], topk_prompt_logprobs)
+        next_logits_1V = logits_1LV[:, -1].float()
+        del logits_1LV
+
+        position_ids = prefill_kwargs.get("position_ids")
+        sequences = self._decode(cache, next_logits_1V, options, num_samples, position_ids)
+        return SampleOutput(
+            sequences=sequences,
+            prompt_logprobs=prompt_logprobs if include_prompt_logprobs else None,
+            topk_prompt_logprobs=topk if topk_prompt_logprobs > 0 else None,
+        )
+
+    def _decode(
+        self,
+        cache: DynamicCache,
+        next_logits_1V: torch.Tensor,
+        options: SamplingOptions,
+        num_samples: int,
+        prefill_position_ids: torch.Tensor | None,
+    ) -> list[SampledSequence]:
+        """Decode all samples together from the prefilled cache, dropping rows as they stop."""
+        sequences = [
+            SampledSequence(tokens=[], logprobs=[], stop_reason="length") for _ in range(num_samples)
+        ]
+        generator = torch.Generator(device=next_logits_1V.device)
+        if options.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(options.seed)
+        stop_token_ids = set(options.stop_token_ids)
+        stop_window = max((len(s.encode()) for s in options.stop_strings), default=0) + _STOP_WINDOW_MARGIN
+
+        cache.batch_repeat_interleave(num_samples)
+        logits_RV = next_logits_1V.expand(num_samples, -1)
+        rows_R = torch.arange(num_samples, device=next_logits_1V.device)  # the sequence each cache row feeds
+        for step in range(options.max_tokens):
+            tokens_R, logprobs_R = _sample_tokens(logits_RV, rows_R, num_samples, options, generator)
+            keep = []
+            step_rows = zip(rows_R.tolist(), tokens_R.tolist(), logprobs_R.tolist())
+            for index, (row, token, logprob) in enumerate(step_rows):
+                sequence = sequences[row]
+                sequence.tokens.append(token)
+                sequence.logprobs.append(logprob)
+                stopped = token in stop_token_ids
+                if stopped or self._has_stop_string(sequence.tokens, options.stop_strings, stop_window):
+                    sequence.stop_reason = "stop"
+                else:
+                    keep.append(index)
+            if not keep or step == options.max_tokens - 1:
+                break
+            if len(keep) < len(rows_R):
+                keep_R = torch.tensor(keep, device=rows_R.device)
+                cache.batch_select_indices(keep_R)
+                rows_R, tokens_R = rows_R[keep_R], tokens_R[keep_R]
+
+            step_kwargs = {}
+            if prefill_position_ids is not None:
+                # Explicit positions, because M-RoPE models would otherwise read rope_deltas that
+                # they keep on the model itself, which another thread's forward may overwrite.
+                shape = (*prefill_position_ids.shape[:-2], len(rows_R), 1)
+                position = int(prefill_position_ids.max()) + 1 + step
+                step_kwargs["position_ids"] = torch.full(
+                    shape, position, dtype=prefill_position_ids.dtype, device=self.device
+                )
+            logits_RV = self.model(
+                input_ids=tokens_R[:, None],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                **step_kwargs,
+            ).logits[:, -1].float()
+        return sequences
+
+    def _has_stop_string(self, tokens: list[int], stop_strings: tuple[str, ...], window: int) -> bool:
+        """Whether the decoded tail of a completion contains a stop string."""
+        # Checked after every token, so a match in the tail was completed by the newest token.
+        if not stop_strings:
+            return False
+        text = self.tokenizer.decode(tokens[-window:], skip_special_tokens=False)
+        return any(stop in text for stop in stop_strings)
+
+
+def _sample_tokens(
+    logits_RV: torch.Tensor,
+    rows_R: torch.Tensor,
+    num_samples: int,
+    options: SamplingOptions,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row; return it with its logprob under the raw distribution."""
+    if options.temperature == 0:
+        tokens_R = logits_RV.argmax(dim=-1)
+    else:
+        probs_RV = _filtered_probs(logits_RV, options)
+        # Exponential race (argmax of p / q, q ~ Exp(1)) draws from probs_RV, as vLLM does. Noise is
+        # drawn for all N samples in one call and indexed by row, so a sample's draws do not depend
+        # on which other samples have stopped; the clamp keeps q = 0 from producing inf or nan.
+        noise_NV = torch.empty(num_samples, probs_RV.shape[-1], device=probs_RV.device)
+        noise_NV.exponential_(generator=generator)
+        noise_RV = noise_NV[rows_R].clamp_min(torch.finfo(noise_NV.dtype).tiny)
+        tokens_R = (probs_RV / noise_RV).argmax(dim=-1)
+    logprobs_R = logits_RV.log_softmax(dim=-1).gather(-1, tokens_R[:, None])[:, 0]
+    return tokens_R, logprobs_R
+
+
+def _filtered_probs(logits_RV: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
+    """Apply temperature, then top-k, then top-p, and return the sampling distribution."""
+    scaled_RV = logits_RV / options.temperature
+    if 0 < options.top_k < scaled_RV.shape[-1]:
+        kth_R1 = scaled_RV.topk(options.top_k, dim=-1).values[:, -1:]
+        scaled_RV = scaled_RV.masked_fill(scaled_RV < kth_R1, float("-inf"))
+    if options.top_p < 1:
+        sorted_RV, order_RV = scaled_RV.sort(dim=-1, descending=True)
+        sorted_probs_RV = sorted_RV.softmax(dim=-1)
+        # Drop a token once the better tokens already hold top_p of the mass; the best always stays.
+        drop_RV = sorted_probs_RV.cumsum(dim=-1) - sorted_probs_RV >= options.top_p
+        scaled_RV = scaled_RV.scatter(-1, order_RV, sorted_RV.masked_fill(drop_RV, float("-inf")))
+    return scaled_RV.softmax(dim=-1)
+
+
+def _score_prompt(
+    logits_LV: torch.Tensor, input_ids_L: torch.Tensor, k: int
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """Logprob of each prompt token, and its k best alternatives, given the tokens before it."""
+    logprobs: list[float | None] = [None]
+    topk: list[list[tuple[int, float]] | None] = [None]
+    num_positions, vocab_size = logits_LV.shape
+    chunk = max(1, _PROMPT_LOGPROB_CHUNK_ELEMENTS // vocab_size)
+    # Position i's logits predict token i + 1; the last position's logits only feed sampling.
+    for start in range(0, num_positions - 1, chunk):
+        end = min(start + chunk, num_positions - 1)
+        logprobs_CV = logits_LV[start:end].float().log_softmax(dim=-1)
+        logprobs.extend(logprobs_CV.gather(-1, input_ids_L[start + 1 : end + 1, None])[:, 0].tolist())
+        if k > 0:
+            values_CK, tokens_CK = logprobs_CV.topk(min(k, vocab_size), dim=-1)
+            topk.extend(list(zip(t, v)) for t, v in zip(tokens_CK.tolist(), values_CK.tolist()))
+    return logprobs, topk

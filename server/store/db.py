@@ -1,0 +1,52 @@
+"""The database engine: connection settings per backend and schema migration at startup.
+
+Knows SQLite (the embedded default) and PostgreSQL (several replicas); knows nothing about
+the tables beyond handing migrations/ to Alembic, which owns every schema change.
+"""
+
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+SUPPORTED_BACKENDS = ("sqlite", "postgresql")
+# Any fixed number works; it only has to be the same in every replica.
+_MIGRATION_LOCK_KEY = 0x7469_6E6B_6572
+
+
+def build_engine(database_url: str) -> sa.Engine:
+    """Create the one engine a process shares between threads."""
+    url = sa.make_url(database_url)
+    backend = url.get_backend_name()
+    if backend not in SUPPORTED_BACKENDS:
+        raise ValueError(f"unsupported database {backend!r}; use one of {SUPPORTED_BACKENDS}")
+    # asyncio.to_thread's default executor runs up to 32 store calls at once;
+    # pre-ping replaces connections that a PostgreSQL restart has closed.
+    engine = sa.create_engine(url, pool_size=8, max_overflow=24, pool_pre_ping=backend == "postgresql")
+    if backend == "sqlite":
+        sa.event.listen(engine, "connect", _configure_sqlite_connection)
+    return engine
+
+
+def _configure_sqlite_connection(dbapi_connection, _connection_record) -> None:
+    # WAL lets readers run beside the one writer; writers wait up to 30 s for the lock
+    # instead of failing at once with "database is locked".
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def upgrade_to_head(engine: sa.Engine) -> None:
+    """Apply every pending Alembic migration; a no-op when the schema is current."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with engine.begin() as connection:
+        if connection.dialect.name == "postgresql":
+            # Replicas starting together migrate one at a time; the later ones find head and stop.
+            connection.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")

@@ -1,0 +1,397 @@
+"""The Store: synchronous, thread-safe queries over the durable state, returning frozen records.
+
+Every call opens its own short transaction on the one shared engine, so the async scheduler can
+run calls in asyncio.to_thread. Callers get records, never ORM rows, so nothing lazy-loads later.
+Knows nothing about HTTP, wire types or where checkpoint files come from.
+"""
+
+from dataclasses import dataclass, field, fields
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import sessionmaker
+
+from server.store.db import build_engine, upgrade_to_head
+from server.store.rows import Base, CheckpointRow, FutureRow, SamplingSessionRow, SessionRow, TrainingRunRow
+
+FutureStatus = Literal["pending", "complete", "failed"]
+CheckpointType = Literal["training", "sampler", "external"]
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC (the only kind the store accepts)."""
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRecord:
+    """One SDK session."""
+
+    session_id: str
+    owner: str
+    tags: list[str]
+    user_metadata: dict[str, str]
+    sdk_version: str | None
+    display_name: str | None
+    created_at: datetime
+    last_heartbeat_at: datetime
+    finished_at: datetime | None
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingRunRecord:
+    """One LoRA training run; model_id = f"{session_id}:train:{model_seq_id}"."""
+
+    model_id: str
+    session_id: str
+    owner: str
+    base_model: str
+    model_seq_id: int
+    lora_rank: int
+    seed: int | None
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+    optimizer_type: str = "adamw"
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    created_at: datetime = field(default_factory=utcnow)
+    last_request_time: datetime = field(default_factory=utcnow)
+
+
+@dataclass(frozen=True, slots=True)
+class FutureRecord:
+    """One journaled request; `result` holds the encoded response bytes once complete."""
+
+    request_id: str
+    request_type: str
+    model_id: str | None
+    seq_id: int | None
+    payload_hash: str
+    status: FutureStatus
+    result: bytes | None
+    content_type: str | None
+    error: str | None
+    error_category: str | None
+    created_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRecord:
+    """One saved checkpoint; checkpoint_id is "weights/NAME", "sampler_weights/NAME" or "external_weights/NAME"."""
+
+    tinker_path: str
+    model_id: str
+    checkpoint_id: str
+    checkpoint_type: CheckpointType
+    directory: str
+    size_bytes: int | None
+    owner: str
+    public: bool = False
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    created_at: datetime = field(default_factory=utcnow)
+    expires_at: datetime | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSessionRecord:
+    """One sampler: the base model alone (model_path None) or a sampler checkpoint on top of it."""
+
+    sampling_session_id: str
+    session_id: str
+    owner: str
+    base_model: str
+    model_path: str | None
+    source_model_id: str | None = None
+    """Set for an unsaved snapshot: the training run it was taken from (its weights live in memory)."""
+    created_at: datetime = field(default_factory=utcnow)
+
+
+RecordT = TypeVar("RecordT")
+
+
+def _to_record(record_type: type[RecordT], row: Base) -> RecordT:
+    # Records and rows share field names, so the conversion is one loop in each direction.
+    return record_type(**{f.name: getattr(row, f.name) for f in fields(record_type)})
+
+
+def _to_values(record: Any) -> dict[str, Any]:
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
+class Store:
+    """Durable sessions, training runs, futures, checkpoints and sampling sessions."""
+
+    def __init__(self, database_url: str):
+        self.engine = build_engine(database_url)
+        upgrade_to_head(self.engine)
+        self._transaction = sessionmaker(self.engine, expire_on_commit=False).begin
+        # INSERT ... ON CONFLICT lets the database settle races between threads and replicas.
+        self._insert = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}[self.engine.dialect.name]
+
+    def close(self) -> None:
+        """Close every pooled connection."""
+        self.engine.dispose()
+
+    # sessions
+
+    def create_session(
+        self,
+        session_id: str,
+        *,
+        tags: list[str],
+        user_metadata: dict[str, str],
+        sdk_version: str | None,
+        display_name: str | None,
+        owner: str,
+    ) -> None:
+        """Record a new session."""
+        now = utcnow()
+        row = SessionRow(
+            session_id=session_id,
+            owner=owner,
+            tags=tags,
+            user_metadata=user_metadata,
+            sdk_version=sdk_version,
+            display_name=display_name,
+            created_at=now,
+            last_heartbeat_at=now,
+        )
+        with self._transaction() as db:
+            db.add(row)
+
+    def heartbeat_session(self, session_id: str) -> bool:
+        """Mark a session alive; False if it is unknown or finished."""
+        statement = (
+            sa.update(SessionRow)
+            .where(SessionRow.session_id == session_id, SessionRow.finished_at.is_(None))
+            .values(last_heartbeat_at=utcnow())
+        )
+        with self._transaction() as db:
+            return db.execute(statement).rowcount == 1
+
+    def finish_session(self, session_id: str, reason: str) -> bool:
+        """Mark a session finished; False if it is unknown or already finished."""
+        statement = (
+            sa.update(SessionRow)
+            .where(SessionRow.session_id == session_id, SessionRow.finished_at.is_(None))
+            .values(finished_at=utcnow(), finish_reason=reason)
+        )
+        with self._transaction() as db:
+            return db.execute(statement).rowcount == 1
+
+    def get_session(self, session_id: str) -> SessionRecord | None:
+        """The session, or None."""
+        with self._transaction() as db:
+            row = db.get(SessionRow, session_id)
+            return None if row is None else _to_record(SessionRecord, row)
+
+    def list_sessions(self, *, owner: str, limit: int, offset: int) -> list[SessionRecord]:
+        """One page of the owner's sessions, newest first."""
+        statement = (
+            sa.select(SessionRow)
+            .where(SessionRow.owner == owner)
+            .order_by(SessionRow.created_at.desc(), SessionRow.session_id.desc())
+            .limit(limit)
+            .offset(offset)
+        )
+        with self._transaction() as db:
+            return [_to_record(SessionRecord, row) for row in db.scalars(statement)]
+
+    def list_training_run_ids(self, session_id: str) -> list[str]:
+        """The model_ids of a session's training runs, in model_seq_id order."""
+        statement = (
+            sa.select(TrainingRunRow.model_id)
+            .where(TrainingRunRow.session_id == session_id)
+            .order_by(TrainingRunRow.model_seq_id)
+        )
+        with self._transaction() as db:
+            return list(db.scalars(statement))
+
+    def list_sampling_session_ids(self, session_id: str) -> list[str]:
+        """The ids of a session's sampling sessions, oldest first."""
+        statement = (
+            sa.select(SamplingSessionRow.sampling_session_id)
+            .where(SamplingSessionRow.session_id == session_id)
+            .order_by(SamplingSessionRow.created_at, SamplingSessionRow.sampling_session_id)
+        )
+        with self._transaction() as db:
+            return list(db.scalars(statement))
+
+    # training runs
+
+    def create_training_run(self, run: TrainingRunRecord) -> None:
+        """Record a new training run (its session must exist)."""
+        with self._transaction() as db:
+            db.add(TrainingRunRow(**_to_values(run)))
+
+    def get_training_run(self, model_id: str) -> TrainingRunRecord | None:
+        """The training run, or None."""
+        with self._transaction() as db:
+            row = db.get(TrainingRunRow, model_id)
+            return None if row is None else _to_record(TrainingRunRecord, row)
+
+    def list_training_runs(self, *, owner: str, limit: int, offset: int) -> tuple[list[TrainingRunRecord], int]:
+        """One page of the owner's training runs, newest first, and how many the owner has."""
+        where = TrainingRunRow.owner == owner
+        page = (
+            sa.select(TrainingRunRow)
+            .where(where)
+            .order_by(TrainingRunRow.created_at.desc(), TrainingRunRow.model_id.desc())
+            .limit(limit)
+            .offset(offset)
+        )
+        with self._transaction() as db:
+            total = db.scalar(sa.select(sa.func.count()).select_from(TrainingRunRow).where(where))
+            return [_to_record(TrainingRunRecord, row) for row in db.scalars(page)], total
+
+    def touch_training_run(self, model_id: str) -> None:
+        """Set the run's last_request_time to now."""
+        statement = (
+            sa.update(TrainingRunRow).where(TrainingRunRow.model_id == model_id).values(last_request_time=utcnow())
+        )
+        with self._transaction() as db:
+            db.execute(statement)
+
+    # futures
+
+    def insert_future(
+        self, *, request_id: str, request_type: str, model_id: str | None, seq_id: int | None, payload_hash: str
+    ) -> FutureRecord:
+        """Journal a pending request, or return the row already holding (model_id, seq_id) unchanged.
+
+        The caller compares the returned request_type and payload_hash with its own to tell a retry
+        from a conflicting reuse of the seq_id.
+        """
+        statement = (
+            self._insert(FutureRow)
+            .values(
+                request_id=request_id,
+                request_type=request_type,
+                model_id=model_id,
+                seq_id=seq_id,
+                payload_hash=payload_hash,
+                status="pending",
+                created_at=utcnow(),
+            )
+            .on_conflict_do_nothing(index_elements=["model_id", "seq_id"])
+        )
+        # NULLs never collide in a unique constraint, so requests without a seq_id are always new.
+        if model_id is None or seq_id is None:
+            lookup = sa.select(FutureRow).where(FutureRow.request_id == request_id)
+        else:
+            lookup = sa.select(FutureRow).where(FutureRow.model_id == model_id, FutureRow.seq_id == seq_id)
+        with self._transaction() as db:
+            db.execute(statement)
+            return _to_record(FutureRecord, db.scalars(lookup).one())
+
+    def complete_future(self, request_id: str, *, result: bytes, content_type: str) -> None:
+        """Store the result of a pending future; a finished future keeps its first outcome."""
+        self._finish_future(request_id, status="complete", result=result, content_type=content_type)
+
+    def fail_future(self, request_id: str, *, error: str, category: str) -> None:
+        """Fail a pending future; a finished future keeps its first outcome."""
+        self._finish_future(request_id, status="failed", error=error, error_category=category)
+
+    def _finish_future(self, request_id: str, **values: Any) -> None:
+        statement = (
+            sa.update(FutureRow)
+            .where(FutureRow.request_id == request_id, FutureRow.status == "pending")
+            .values(finished_at=utcnow(), **values)
+        )
+        with self._transaction() as db:
+            db.execute(statement)
+
+    def get_future(self, request_id: str) -> FutureRecord | None:
+        """The future, or None (unknown, or deleted by retention)."""
+        with self._transaction() as db:
+            row = db.get(FutureRow, request_id)
+            return None if row is None else _to_record(FutureRecord, row)
+
+    def fail_pending_futures(self, error: str) -> int:
+        """Fail every pending future (category "server"); run at startup, when nothing can finish them."""
+        statement = (
+            sa.update(FutureRow)
+            .where(FutureRow.status == "pending")
+            .values(status="failed", error=error, error_category="server", finished_at=utcnow())
+        )
+        with self._transaction() as db:
+            return db.execute(statement).rowcount
+
+    def delete_finished_futures_older_than(self, seconds: float) -> int:
+        """Delete futures that finished more than `seconds` ago; returns how many."""
+        cutoff = utcnow() - timedelta(seconds=seconds)
+        statement = sa.delete(FutureRow).where(FutureRow.status != "pending", FutureRow.finished_at < cutoff)
+        with self._transaction() as db:
+            return db.execute(statement).rowcount
+
+    # checkpoints
+
+    def add_checkpoint(self, ckpt: CheckpointRecord) -> None:
+        """Record a checkpoint, replacing any row with the same tinker_path."""
+        values = _to_values(ckpt)
+        statement = self._insert(CheckpointRow).values(**values)
+        statement = statement.on_conflict_do_update(
+            index_elements=["tinker_path"],
+            set_={name: statement.excluded[name] for name in values if name != "tinker_path"},
+        )
+        with self._transaction() as db:
+            db.execute(statement)
+
+    def get_checkpoint(self, tinker_path: str) -> CheckpointRecord | None:
+        """The checkpoint, or None."""
+        with self._transaction() as db:
+            row = db.get(CheckpointRow, tinker_path)
+            return None if row is None else _to_record(CheckpointRecord, row)
+
+    def list_checkpoints(
+        self, *, model_id: str | None, owner: str, limit: int, offset: int
+    ) -> tuple[list[CheckpointRecord], int]:
+        """One page of the owner's checkpoints (of one run, or all), newest first, and the total count."""
+        where = [CheckpointRow.owner == owner]
+        if model_id is not None:
+            where.append(CheckpointRow.model_id == model_id)
+        page = (
+            sa.select(CheckpointRow)
+            .where(*where)
+            .order_by(CheckpointRow.created_at.desc(), CheckpointRow.tinker_path.desc())
+            .limit(limit)
+            .offset(offset)
+        )
+        with self._transaction() as db:
+            total = db.scalar(sa.select(sa.func.count()).select_from(CheckpointRow).where(*where))
+            return [_to_record(CheckpointRecord, row) for row in db.scalars(page)], total
+
+    def set_checkpoint_public(self, tinker_path: str, public: bool) -> bool:
+        """Publish or unpublish a checkpoint; False if it is unknown."""
+        return self._update_checkpoint(tinker_path, public=public)
+
+    def set_checkpoint_expires_at(self, tinker_path: str, expires_at: datetime | None) -> bool:
+        """Set or clear a checkpoint's expiry time; False if it is unknown."""
+        return self._update_checkpoint(tinker_path, expires_at=expires_at)
+
+    def _update_checkpoint(self, tinker_path: str, **values: Any) -> bool:
+        statement = sa.update(CheckpointRow).where(CheckpointRow.tinker_path == tinker_path).values(**values)
+        with self._transaction() as db:
+            return db.execute(statement).rowcount == 1
+
+    def delete_checkpoint(self, tinker_path: str) -> bool:
+        """Forget a checkpoint (its files are the caller's); False if it is unknown."""
+        with self._transaction() as db:
+            return db.execute(sa.delete(CheckpointRow).where(CheckpointRow.tinker_path == tinker_path)).rowcount == 1
+
+    # sampling sessions
+
+    def create_sampling_session(self, rec: SamplingSessionRecord) -> None:
+        """Record a new sampling session (its session must exist)."""
+        with self._transaction() as db:
+            db.add(SamplingSessionRow(**_to_values(rec)))
+
+    def get_sampling_session(self, sampling_session_id: str) -> SamplingSessionRecord | None:
+        """The sampling session, or None."""
+        with self._transaction() as db:
+            row = db.get(SamplingSessionRow, sampling_session_id)
+            return None if row is None else _to_record(SamplingSessionRecord, row)

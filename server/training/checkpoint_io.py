@@ -1,0 +1,109 @@
+"""Checkpoint files: the adapter in the standard PEFT layout, plus AdamW moments for training checkpoints.
+
+A sampler checkpoint is `adapter_config.json` + `adapter_model.safetensors`, loadable by PEFT and
+vLLM as it is. A training checkpoint adds `optimizer.safetensors` and `checkpoint_meta.json`
+(LoRA config, step count). Knows nothing about tinker:// paths or the database.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from server.errors import InvalidRequest
+from server.training.lora import LoraAdapter
+from server.wire.types import LoraConfig
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+OPTIMIZER_STATE = "optimizer.safetensors"
+META = "checkpoint_meta.json"
+_MOMENTS = ("exp_avg", "exp_avg_sq", "step")
+
+
+@dataclass
+class LoadedCheckpoint:
+    adapter: LoraAdapter
+    lora_config: LoraConfig
+    optimizer_state: dict[str, torch.Tensor] | None
+    num_steps: int
+
+
+def _directory_size(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+
+
+def save_peft_adapter(directory: Path, adapter: LoraAdapter, base_model: str,
+                      lora_config: LoraConfig | None = None, num_steps: int = 0) -> int:
+    """Write the adapter (and its config) in PEFT's layout; returns the directory's size in bytes."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(adapter.peft_state_dict(), str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    peft_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": adapter.rank, "lora_alpha": adapter.alpha, "lora_dropout": 0.0, "bias": "none",
+        # Full module paths: short names like "gate_proj" would also match the vision tower.
+        "target_modules": sorted(adapter.lora_A), "fan_in_fan_out": False, "use_rslora": False,
+        "init_lora_weights": True, "modules_to_save": None,
+    }
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(peft_config, indent=2))
+    if lora_config is not None:
+        (directory / META).write_text(json.dumps({"format": 1, "base_model": base_model, "num_steps": num_steps,
+                                                  "lora_config": lora_config.model_dump()}, indent=2))
+    return _directory_size(directory)
+
+
+def save_training_checkpoint(directory: Path, adapter: LoraAdapter, optimizer: torch.optim.AdamW,
+                             lora_config: LoraConfig, num_steps: int, base_model: str) -> int:
+    """Adapter + AdamW moments keyed by module name; returns the directory's size in bytes."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = [(name, part) for name in sorted(adapter.lora_A) for part in ("lora_A", "lora_B")]
+    state = optimizer.state_dict()["state"]
+    moments = {}
+    for index, (name, part) in enumerate(names):
+        for moment, value in state.get(index, {}).items():
+            value = value.detach().float().cpu()
+            moments[f"{name}.{part}.{moment}"] = value.reshape(1) if moment == "step" else value.contiguous()
+    save_file(moments, str(directory / OPTIMIZER_STATE))
+    return save_peft_adapter(directory, adapter, base_model, lora_config, num_steps)
+
+
+def load_checkpoint(directory: Path, device: torch.device | str, with_optimizer: bool) -> LoadedCheckpoint:
+    """Read a checkpoint written by this module; `with_optimizer` needs a training checkpoint."""
+    directory = Path(directory)
+    peft_config = json.loads((directory / ADAPTER_CONFIG).read_text())
+    weights = load_file(str(directory / ADAPTER_WEIGHTS))
+    adapter = LoraAdapter.from_peft_state_dict(weights, peft_config["r"], peft_config["lora_alpha"], device,
+                                               trainable=True)
+    meta_path = directory / META
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        lora_config, num_steps = LoraConfig.model_validate(meta["lora_config"]), meta["num_steps"]
+    else:
+        kinds = {name.rpartition(".")[2] for name in adapter.lora_A}
+        lora_config = LoraConfig(rank=peft_config["r"], train_unembed="lm_head" in kinds,
+                                 train_attn=bool(kinds & {"q_proj", "k_proj", "v_proj", "o_proj"}),
+                                 train_mlp=bool(kinds & {"gate_proj", "up_proj", "down_proj"}))
+        num_steps = 0
+    optimizer_state = None
+    if with_optimizer:
+        if not (directory / OPTIMIZER_STATE).exists():
+            raise InvalidRequest("this checkpoint has no optimizer state (it is a sampler checkpoint); "
+                                 "load it without the optimizer")
+        optimizer_state = load_file(str(directory / OPTIMIZER_STATE), device=str(device))
+    return LoadedCheckpoint(adapter, lora_config, optimizer_state, num_steps)
+
+
+def optimizer_moments(adapter: LoraAdapter, moments: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """Saved moments as the `state` part of an AdamW state_dict, in the adapter's parameter order."""
+    names = [(name, part) for name in sorted(adapter.lora_A) for part in ("lora_A", "lora_B")]
+    state = {}
+    for index, (name, part) in enumerate(names):
+        entry = {m: moments[f"{name}.{part}.{m}"] for m in _MOMENTS if f"{name}.{part}.{m}" in moments}
+        if entry:
+            entry["step"] = entry["step"].reshape(()).cpu()
+            state[index] = entry
+    return state

@@ -1,0 +1,141 @@
+"""LoRA adapters that many training runs share on one frozen base model.
+
+The base model's target linear layers are wrapped once (`apply_lora_wrappers`); each wrapper adds
+the delta of whichever adapter is active on the calling thread (`use_adapter`), so a training
+thread and a sampling thread can run different adapters through the same modules at once.
+Adapters are plain fp32 tensors keyed by module name, saved in the standard PEFT layout.
+
+Shapes: lora_A is [rank, in_features], lora_B is [out_features, rank].
+"""
+
+import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from server.models.registry import ModelFamily
+
+_active = threading.local()
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    name: str
+    """Full module path in the base model, e.g. model.layers.0.self_attn.q_proj."""
+    kind: str
+    """attn | mlp | unembed: which LoraConfig flag selects it."""
+    in_features: int
+    out_features: int
+
+
+class LoraLinear(nn.Module):
+    """An nn.Linear plus the delta of the thread's active adapter, if it adapts this module."""
+
+    def __init__(self, base: nn.Linear, name: str):
+        super().__init__()
+        self.base = base
+        self.name = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        adapter: LoraAdapter | None = getattr(_active, "adapter", None)
+        if adapter is None or self.name not in adapter.lora_A:
+            return y
+        lora_A, lora_B = adapter.lora_A[self.name], adapter.lora_B[self.name]
+        delta = (x.to(lora_A.dtype) @ lora_A.T) @ lora_B.T
+        return y + (delta * adapter.scale).to(y.dtype)
+
+
+class LoraAdapter:
+    """One run's LoRA weights (fp32), keyed by target module name."""
+
+    def __init__(self, rank: int, alpha: float, lora_A: dict[str, torch.Tensor], lora_B: dict[str, torch.Tensor]):
+        assert lora_A.keys() == lora_B.keys()
+        self.rank = rank
+        self.alpha = alpha
+        self.scale = alpha / rank
+        self.lora_A = lora_A
+        self.lora_B = lora_B
+
+    @classmethod
+    def initialize(cls, targets: list[LoraTarget], rank: int, alpha: float, seed: int,
+                   device: torch.device | str) -> "LoraAdapter":
+        """Fresh trainable adapter: A from a seeded Kaiming-uniform draw, B zero, so it starts as the base model."""
+        generator = torch.Generator().manual_seed(seed)
+        lora_A, lora_B = {}, {}
+        for target in targets:
+            bound = 1.0 / math.sqrt(target.in_features)  # kaiming_uniform with a=sqrt(5), as PEFT does
+            a = (torch.rand(rank, target.in_features, generator=generator) * 2 - 1) * bound
+            lora_A[target.name] = a.to(device).requires_grad_(True)
+            lora_B[target.name] = torch.zeros(target.out_features, rank, device=device, requires_grad=True)
+        return cls(rank, alpha, lora_A, lora_B)
+
+    def parameters(self) -> list[torch.Tensor]:
+        """Trainable tensors in a fixed order (the optimizer's order)."""
+        return [t for name in sorted(self.lora_A) for t in (self.lora_A[name], self.lora_B[name])]
+
+    def frozen_copy(self) -> "LoraAdapter":
+        """A detached snapshot for sampling, unaffected by later optimizer steps."""
+        return LoraAdapter(self.rank, self.alpha, {k: v.detach().clone() for k, v in self.lora_A.items()},
+                           {k: v.detach().clone() for k, v in self.lora_B.items()})
+
+    def peft_state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors under PEFT's key names, as adapter_model.safetensors holds them."""
+        state = {}
+        for name in self.lora_A:
+            state[f"base_model.model.{name}.lora_A.weight"] = self.lora_A[name].detach().float().cpu().contiguous()
+            state[f"base_model.model.{name}.lora_B.weight"] = self.lora_B[name].detach().float().cpu().contiguous()
+        return state
+
+    @classmethod
+    def from_peft_state_dict(cls, state: dict[str, torch.Tensor], rank: int, alpha: float,
+                             device: torch.device | str, trainable: bool) -> "LoraAdapter":
+        """Inverse of `peft_state_dict`."""
+        lora_A, lora_B = {}, {}
+        for key, tensor in state.items():
+            name, _, part = key.removeprefix("base_model.model.").rpartition(".lora_")
+            table = lora_A if part == "A.weight" else lora_B
+            table[name] = tensor.float().to(device).requires_grad_(trainable)
+        return cls(rank, alpha, lora_A, lora_B)
+
+
+@contextmanager
+def use_adapter(adapter: LoraAdapter | None) -> Iterator[None]:
+    """Run the enclosed model calls of this thread with `adapter` (None: the base model)."""
+    previous = getattr(_active, "adapter", None)
+    _active.adapter = adapter
+    try:
+        yield
+    finally:
+        _active.adapter = previous
+
+
+def apply_lora_wrappers(model: nn.Module, family: ModelFamily) -> list[LoraTarget]:
+    """Wrap every linear layer LoRA may target (decoder attention/MLP and the unembedding); return them."""
+    kinds = {**{m: "attn" for m in family.attention_modules}, **{m: "mlp" for m in family.mlp_modules}}
+    targets = []
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        leaf = name.rpartition(".")[2]
+        if name == family.unembed_module:
+            kind = "unembed"
+        elif name.startswith(family.language_model_prefix) and leaf in kinds:
+            kind = kinds[leaf]
+        else:
+            continue
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        setattr(parent, leaf, LoraLinear(module, name))
+        targets.append(LoraTarget(name, kind, module.in_features, module.out_features))
+    return targets
+
+
+def select_targets(targets: list[LoraTarget], *, train_attn: bool, train_mlp: bool,
+                   train_unembed: bool) -> list[LoraTarget]:
+    """The targets a LoraConfig's train_* flags ask for."""
+    wanted = {"attn": train_attn, "mlp": train_mlp, "unembed": train_unembed}
+    return [t for t in targets if wanted[t.kind]]

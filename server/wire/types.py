@@ -1,0 +1,704 @@
+"""Tinker wire types: pydantic models for every JSON body the server reads or writes.
+
+Names and fields follow the `tinker` SDK 0.38 so that the same words run from route to trainer.
+Requests ignore unknown fields; responses leave out fields that are None, because the SDK
+validates responses strictly and expects omission. This module knows the shapes only, not what
+any route, scheduler or engine does with them; the protobuf codec lives in `proto.py`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Any, Literal, Union
+
+import numpy as np
+import torch
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_serializer,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+# A CSR tensor is tiny on the wire but can name a huge dense shape; refuse to densify past this.
+MAX_DENSE_ELEMENTS = 1 << 28
+
+
+class WireRequest(BaseModel):
+    """Base of request bodies: unknown fields are ignored, so newer SDKs keep working."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class WireResponse(BaseModel):
+    """Base of response bodies: None fields are omitted, which every SDK response model accepts."""
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    # Unannotated on purpose: pydantic then keeps each model's own schema for OpenAPI.
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Model input: the chunk list shared by sampling (JSON) and training (protobuf).
+
+
+class EncodedTextChunk(WireRequest):
+    type: Literal["encoded_text"] = "encoded_text"
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class ImageChunk(WireRequest):
+    """An image file (png or jpeg). JSON carries it as standard base64, protobuf as raw bytes."""
+
+    type: Literal["image"] = "image"
+    data: bytes
+    format: Literal["png", "jpeg"]
+    expected_tokens: int | None = None
+    """Advisory token count from the client; the server computes the true one."""
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _decode_base64(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            return base64.b64decode(value, validate=True)
+        except binascii.Error as error:
+            raise ValueError(f"image data is not valid standard base64 ({error})") from None
+
+    @field_serializer("data", when_used="json")
+    def _encode_base64(self, value: bytes) -> str:
+        return base64.b64encode(value).decode("ascii")
+
+
+class ImageAssetPointerChunk(WireRequest):
+    """An image named by path or URL instead of inlined (sampling requests only)."""
+
+    type: Literal["image_asset_pointer"] = "image_asset_pointer"
+    format: Literal["png", "jpeg"]
+    location: str
+    expected_tokens: int | None = None
+
+
+Chunk = Annotated[
+    Union[EncodedTextChunk, ImageChunk, ImageAssetPointerChunk], Field(discriminator="type")
+]
+
+DMEL_NOT_SUPPORTED = "audio (dmel) chunks are not supported"
+
+
+class ModelInput(WireRequest):
+    chunks: list[Chunk]
+
+    @field_validator("chunks", mode="before")
+    @classmethod
+    def _reject_dmel(cls, chunks: Any) -> Any:
+        # Checked before the union so the user gets a sentence, not "tag 'dmel' does not match".
+        if isinstance(chunks, list):
+            for chunk in chunks:
+                if isinstance(chunk, dict) and chunk.get("type") == "dmel":
+                    raise ValueError(DMEL_NOT_SUPPORTED)
+        return chunks
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors in JSON (SampleRequest.target_prompt_logprobs).
+
+
+def densify_csr(
+    values: np.ndarray,
+    crow_indices: np.ndarray,
+    col_indices: np.ndarray,
+    shape: list[int],
+    pad_value: float = 0,
+) -> np.ndarray:
+    """Expand a 2-D CSR tensor to dense, with `pad_value` in every unlisted cell."""
+    if len(shape) != 2:
+        raise ValueError(f"a sparse CSR tensor needs a 2-D shape, got {shape}")
+    num_rows, num_cols = shape
+    if num_rows < 0 or num_cols < 0:
+        raise ValueError(f"shape {shape} has a negative dimension")
+    if num_rows * num_cols > MAX_DENSE_ELEMENTS:
+        raise ValueError(f"sparse tensor of shape {shape} is too large to densify")
+    if len(crow_indices) != num_rows + 1:
+        raise ValueError(
+            f"sparse CSR crow_indices has {len(crow_indices)} entries, expected rows+1 = {num_rows + 1}"
+        )
+    if len(col_indices) != len(values):
+        raise ValueError(
+            f"sparse CSR has {len(values)} values but {len(col_indices)} col_indices"
+        )
+    row_counts = np.diff(crow_indices)
+    if crow_indices[0] != 0 or crow_indices[-1] != len(values) or np.any(row_counts < 0):
+        raise ValueError(
+            "sparse CSR crow_indices must start at 0, never decrease, and end at the number of values"
+        )
+    if len(col_indices) and (col_indices.min() < 0 or col_indices.max() >= num_cols):
+        raise ValueError(f"sparse CSR col_indices must lie in [0, {num_cols})")
+    dense = np.full((num_rows, num_cols), pad_value, dtype=values.dtype)
+    dense[np.repeat(np.arange(num_rows), row_counts), col_indices] = values
+    return dense
+
+
+class TensorData(WireRequest):
+    """A tensor as JSON: flat `data`, dense or 2-D sparse CSR."""
+
+    data: list[int] | list[float]
+    dtype: Literal["int64", "float32"]
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> TensorData:
+        if (self.sparse_crow_indices is None) != (self.sparse_col_indices is None):
+            raise ValueError("sparse_crow_indices and sparse_col_indices come together")
+        if self.sparse_crow_indices is None and self.shape is not None:
+            if min(self.shape, default=0) < 0 or math.prod(self.shape) != len(self.data):
+                raise ValueError(f"shape {self.shape} does not hold {len(self.data)} values")
+        if self.sparse_crow_indices is not None:
+            self.to_numpy()  # validates the CSR layout
+        return self
+
+    def to_numpy(self, pad_value: float = 0) -> np.ndarray:
+        """Dense numpy array; CSR cells that are not listed take `pad_value`."""
+        values = np.asarray(self.data, dtype=np.int64 if self.dtype == "int64" else np.float32)
+        if self.sparse_crow_indices is None:
+            return values.reshape(self.shape if self.shape is not None else [len(values)])
+        if self.shape is None:
+            raise ValueError("a sparse CSR tensor needs its dense shape")
+        return densify_csr(
+            values,
+            np.asarray(self.sparse_crow_indices, dtype=np.int64),
+            np.asarray(self.sparse_col_indices, dtype=np.int64),
+            self.shape,
+            pad_value,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: forward_backward (decoded from protobuf by proto.py), optimizer, LoRA.
+
+
+class Datum(BaseModel):
+    """One training example as decoded from protobuf; tensors are dense torch tensors."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
+
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, torch.Tensor]
+    """float32 or int64 tensors, shaped as the client declared them (e.g. [N] or [N, K])."""
+
+
+class ForwardBackwardRequest(BaseModel):
+    """A `forward_backward` call (also `forward`, with `forward_only`)."""
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: dict[str, float | str] = Field(default_factory=dict)
+    forward_only: bool = False
+    data: list[Datum]
+
+
+class LoraConfig(WireRequest):
+    rank: int = Field(default=32, gt=0)
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+    @model_validator(mode="after")
+    def _train_something(self) -> LoraConfig:
+        if not (self.train_unembed or self.train_mlp or self.train_attn):
+            raise ValueError("at least one of train_unembed, train_mlp, train_attn must be true")
+        return self
+
+
+class OptimizerConfig(BaseModel):
+    """Optimizer family, fixed at model creation; family fields (e.g. dimuon `version`) kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["adamw", "dimuon"] = "adamw"
+
+
+class AdamParams(WireRequest):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    learning_rate: float = Field(default=1e-4, ge=0)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-12, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    """Decoupled (AdamW) weight decay."""
+    grad_clip_norm: float = Field(default=0.0, ge=0)
+    """Clip the global gradient norm to this; 0 means no clipping."""
+
+
+class DimuonParams(WireRequest):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    type: Literal["dimuon"] = "dimuon"
+    learning_rate: float = Field(ge=0)
+    grad_clip_norm: float = 0.0
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+
+
+def _optimizer_family(value: Any) -> str:
+    # AdamParams travels without a `type`; other families name themselves.
+    if isinstance(value, dict):
+        return value.get("type", "adamw")
+    return getattr(value, "type", "adamw")
+
+
+OptimParams = Annotated[
+    Union[Annotated[AdamParams, Tag("adamw")], Annotated[DimuonParams, Tag("dimuon")]],
+    Discriminator(_optimizer_family),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling parameters.
+
+
+@dataclass(frozen=True)
+class StopConditions:
+    stop_strings: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    """True only for `stop=[]`, which the SDK defines as "disable every stop, EOS included"."""
+
+
+class SamplingParams(WireRequest):
+    max_tokens: int | None = Field(default=None, ge=1)
+    """None lets the server pick."""
+    seed: int | None = None
+    stop: str | list[str] | list[Annotated[int, Field(ge=0)]] | None = None
+    temperature: float = Field(default=1.0, ge=0)
+    top_k: int = Field(default=-1, ge=-1)
+    """-1 (or 0) means no limit; normalized to -1."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+
+    @field_validator("top_k")
+    @classmethod
+    def _zero_means_no_limit(cls, top_k: int) -> int:
+        return -1 if top_k == 0 else top_k
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop_string(cls, stop: Any) -> Any:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if any(isinstance(s, str) and not s for s in strings):
+            raise ValueError("stop strings must be non-empty")
+        return stop
+
+    def stop_conditions(self) -> StopConditions:
+        """The `stop` field split into strings and token ids."""
+        if self.stop is None:
+            return StopConditions(stop_strings=[], stop_token_ids=[], ignore_eos=False)
+        if isinstance(self.stop, str):
+            return StopConditions(stop_strings=[self.stop], stop_token_ids=[], ignore_eos=False)
+        return StopConditions(
+            stop_strings=[s for s in self.stop if isinstance(s, str)],
+            stop_token_ids=[t for t in self.stop if isinstance(t, int)],
+            ignore_eos=len(self.stop) == 0,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests.
+
+
+class ClientConfigRequest(WireRequest):
+    sdk_version: str | None = None
+
+
+class CreateSessionRequest(WireRequest):
+    type: Literal["create_session"] = "create_session"
+    tags: list[str] = Field(default_factory=list)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+
+
+class SessionHeartbeatRequest(WireRequest):
+    type: Literal["session_heartbeat"] = "session_heartbeat"
+    session_id: str
+
+
+class FinishReason(WireRequest):
+    type: Literal["success", "errored", "interrupted"]
+
+
+class FinishSessionRequest(WireRequest):
+    reason: FinishReason
+    detail: str | None = None
+
+
+class TelemetryBatch(BaseModel):
+    """Client telemetry; accepted and not interpreted."""
+
+    model_config = ConfigDict(extra="allow")
+
+    events: list[Any] = Field(default_factory=list)
+    session_id: str | None = None
+
+
+class CreateModelRequest(WireRequest):
+    type: Literal["create_model"] = "create_model"
+    session_id: str
+    model_seq_id: int = Field(ge=0)
+    base_model: str
+    lora_config: LoraConfig = Field(default_factory=LoraConfig)
+    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    user_metadata: dict[str, Any] | None = None
+
+    @field_validator("lora_config", "optimizer_config", mode="before")
+    @classmethod
+    def _null_means_default(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+
+class GetInfoRequest(WireRequest):
+    type: Literal["get_info"] = "get_info"
+    model_id: str
+
+
+class OptimStepRequest(WireRequest):
+    type: Literal["optim_step"] = "optim_step"
+    model_id: str
+    seq_id: int | None = None
+    adam_params: OptimParams = Field(
+        validation_alias=AliasChoices("adam_params", "optimizer_params", "optim_params")
+    )
+    """AdamParams, or DimuonParams when the body names `"type": "dimuon"`."""
+
+
+def _check_checkpoint_name(name: str) -> str:
+    # A tinker path is tinker://{run}/{segment}/{name}; the SDK parser needs exactly three parts.
+    if not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"checkpoint name {name!r} must be non-empty and contain no '/'")
+    return name
+
+
+CheckpointName = Annotated[str, AfterValidator(_check_checkpoint_name)]
+
+
+class SaveWeightsRequest(WireRequest):
+    type: Literal["save_weights"] = "save_weights"
+    model_id: str
+    path: CheckpointName | None = None
+    """Checkpoint name (not a path, despite the field name)."""
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
+
+
+class SaveWeightsForSamplerRequest(WireRequest):
+    """Named form: `path`. Ephemeral form: `sampling_session_seq_id` and no `path`."""
+
+    type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
+    model_id: str
+    path: CheckpointName | None = None
+    sampling_session_seq_id: int | None = None
+    kind: Literal["snapshot", "inflight"] = "snapshot"
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
+
+    @model_validator(mode="after")
+    def _named_or_ephemeral(self) -> SaveWeightsForSamplerRequest:
+        if self.path is None and self.sampling_session_seq_id is None:
+            raise ValueError("save_weights_for_sampler needs a path or a sampling_session_seq_id")
+        return self
+
+
+class LoadWeightsRequest(WireRequest):
+    """Either into an existing model (`model_id`) or create-via-load (`session_id` + `model_seq_id`)."""
+
+    type: Literal["load_weights"] = "load_weights"
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = Field(default=None, ge=0)
+    path: str
+    optimizer: bool = False
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    optimizer_config: OptimizerConfig | None = None
+    weights_access_token: str | None = None
+
+    @model_validator(mode="after")
+    def _one_addressing_mode(self) -> LoadWeightsRequest:
+        into_existing = self.model_id is not None
+        create_via_load = self.session_id is not None or self.model_seq_id is not None
+        if into_existing == create_via_load:
+            raise ValueError(
+                "load_weights needs either model_id (load into an existing model) or "
+                "session_id + model_seq_id (create a model from the checkpoint), not both"
+            )
+        if create_via_load and (self.session_id is None or self.model_seq_id is None):
+            raise ValueError("create-via-load needs both session_id and model_seq_id")
+        return self
+
+
+class CreateSamplingSessionRequest(WireRequest):
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: str | None = None
+    model_path: str | None = None
+
+    @model_validator(mode="after")
+    def _has_model(self) -> CreateSamplingSessionRequest:
+        if self.base_model is None and self.model_path is None:
+            raise ValueError("create_sampling_session needs a model_path or a base_model")
+        return self
+
+
+class SampleRequest(WireRequest):
+    type: Literal["sample"] = "sample"
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    base_model: str | None = None
+    model_path: str | None = None
+    num_samples: int = Field(default=1, ge=1)
+    prompt: ModelInput
+    sampling_params: SamplingParams
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = Field(default=0, ge=0)
+    topk_sample_logprobs: int = Field(default=0, ge=0)
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=1)
+    prompt_alt_tokens_k: int = Field(default=0, ge=0)
+    target_prompt_logprobs: TensorData | None = None
+    """int64 token ids, [len(prompt) - 1, K]; -1 (or an unlisted CSR cell) asks for nothing."""
+
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def _null_is_false(cls, value: Any) -> Any:
+        return False if value is None else value
+
+    @model_validator(mode="after")
+    def _check_options(self) -> SampleRequest:
+        if self.sampling_session_id is None and self.base_model is None and self.model_path is None:
+            raise ValueError("sample needs a sampling_session_id, a model_path or a base_model")
+        if self.prompt_logprobs_last_n is not None and not self.prompt_logprobs:
+            raise ValueError("prompt_logprobs_last_n requires prompt_logprobs")
+        targets = self.target_prompt_logprobs
+        if targets is not None and (
+            targets.dtype != "int64" or targets.shape is None or len(targets.shape) != 2
+        ):
+            raise ValueError("target_prompt_logprobs must be an int64 tensor of shape [len(prompt) - 1, K]")
+        return self
+
+
+class FutureRetrieveRequest(WireRequest):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class WeightsInfoRequest(WireRequest):
+    tinker_path: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses.
+
+
+class ClientConfigResponse(WireResponse):
+    """Feature flags for the SDK; every omitted flag keeps the SDK's default."""
+
+    proto_compress_fwdbwd: bool | None = None
+    parallel_fwdbwd_chunks: bool | None = None
+    fwdbwd_max_chunk_len: int | None = None
+    fwdbwd_max_chunk_bytes_count: int | None = None
+    sample_max_concurrent_requests: int | None = None
+
+
+class CreateSessionResponse(WireResponse):
+    type: Literal["create_session"] = "create_session"
+    session_id: str
+    info_message: str | None = None
+    warning_message: str | None = None
+    error_message: str | None = None
+
+
+class SessionHeartbeatResponse(WireResponse):
+    type: Literal["session_heartbeat"] = "session_heartbeat"
+
+
+class TelemetryResponse(WireResponse):
+    status: Literal["accepted"] = "accepted"
+
+
+class UntypedAPIFuture(WireResponse):
+    """Immediate answer of every asynchronous endpoint."""
+
+    request_id: str
+    model_id: str | None = None
+    sample_sequence_ids: list[str] | None = None
+    """asample only: one id per requested sample, in order."""
+
+
+class TryAgainResponse(WireResponse):
+    type: Literal["try_again"] = "try_again"
+    request_id: str
+    queue_state: Literal["active", "paused_capacity", "paused_rate_limit"] = "active"
+    queue_state_reason: str | None = None
+
+
+class RequestFailedResponse(WireResponse):
+    error: str
+    category: Literal["user", "server", "unknown"]
+
+
+class CreateModelResponse(WireResponse):
+    type: Literal["create_model"] = "create_model"
+    model_id: str
+
+
+class ModelData(WireResponse):
+    arch: str | None = None
+    model_name: str | None = None
+    """Must be set: the SDK's get_tokenizer() asserts on it."""
+    tokenizer_id: str | None = None
+
+
+class GetInfoResponse(WireResponse):
+    type: Literal["get_info"] = "get_info"
+    model_id: str
+    model_data: ModelData
+    optimizer_config: OptimizerConfig | None = None
+    is_lora: bool | None = None
+    lora_rank: int | None = None
+    model_name: str | None = None
+
+
+class OptimStepResponse(WireResponse):
+    metrics: dict[str, float] | None = None
+
+
+class SaveWeightsResponse(WireResponse):
+    type: Literal["save_weights"] = "save_weights"
+    path: str
+
+
+class SaveWeightsForSamplerResponse(WireResponse):
+    """Named saves return `path`, ephemeral ones `sampling_session_id`."""
+
+    type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
+    path: str | None = None
+    sampling_session_id: str | None = None
+
+
+class LoadWeightsResponse(WireResponse):
+    type: Literal["load_weights"] = "load_weights"
+    path: str | None = None
+    model_id: str | None = None
+
+
+class CreateSamplingSessionResponse(WireResponse):
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+    sampling_session_id: str
+
+
+class GetSamplerResponse(WireResponse):
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+
+
+class SupportedModel(WireResponse):
+    model_name: str
+    max_context_length: int | None = None
+    trainable: bool | None = None
+    sampleable: bool | None = None
+
+
+class GetServerCapabilitiesResponse(WireResponse):
+    supported_models: list[SupportedModel]
+
+
+class Checkpoint(WireResponse):
+    checkpoint_id: str
+    """Segment and name, e.g. "weights/step-100"."""
+    checkpoint_type: Literal["training", "sampler", "external"]
+    time: datetime
+    tinker_path: str
+    size_bytes: int | None = None
+    public: bool = False
+    user_metadata: dict[str, str] | None = None
+    expires_at: datetime | None = None
+
+
+class Cursor(WireResponse):
+    offset: int
+    limit: int
+    total_count: int
+
+
+class CheckpointsListResponse(WireResponse):
+    checkpoints: list[Checkpoint]
+    cursor: Cursor | None = None
+
+
+class TrainingRun(WireResponse):
+    training_run_id: str
+    base_model: str
+    model_owner: str
+    is_lora: bool
+    corrupted: bool = False
+    lora_rank: int | None = None
+    last_request_time: datetime
+    last_checkpoint: Checkpoint | None = None
+    last_sampler_checkpoint: Checkpoint | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class TrainingRunsResponse(WireResponse):
+    training_runs: list[TrainingRun]
+    cursor: Cursor
+
+
+class WeightsInfoResponse(WireResponse):
+    base_model: str
+    is_lora: bool
+    optimizer_config: OptimizerConfig | None = None
+    lora_rank: int | None = None
+    train_unembed: bool | None = None
+    train_mlp: bool | None = None
+    train_attn: bool | None = None
+
+
+class ListSessionsResponse(WireResponse):
+    sessions: list[str]
+
+
+class GetSessionResponse(WireResponse):
+    training_run_ids: list[str]
+    sampler_ids: list[str]
+    user_metadata: dict[str, str] | None = None
+    display_name: str | None = None
+
+
+class HealthResponse(WireResponse):
+    status: Literal["ok"] = "ok"

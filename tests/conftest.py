@@ -1,0 +1,62 @@
+"""Shared test fixtures."""
+
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+import pytest
+import sqlalchemy as sa
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# ---------------------------------------------------------------------------------------------
+# Databases: every store test runs on a SQLite file and on a real PostgreSQL server.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A PostgreSQL database URL: $TEST_POSTGRES_URL, else a cluster started for this test run."""
+    if url := os.environ.get("TEST_POSTGRES_URL"):
+        yield url
+        return
+    script = REPO_ROOT / "scripts" / "start_test_postgres.sh"
+    # Our own directory rather than tmp_path_factory's: the postgres user must be able to enter it.
+    data_dir = tempfile.mkdtemp(prefix="tinker-test-postgres-")
+    started = subprocess.run([script, data_dir], capture_output=True, text=True)
+    if started.returncode != 0:
+        shutil.rmtree(data_dir, ignore_errors=True)
+        pytest.fail(f"could not start PostgreSQL with {script}:\n{started.stderr[-4000:]}", pytrace=False)
+    try:
+        yield started.stdout.strip().splitlines()[-1]
+    finally:
+        subprocess.run([script, "--stop", data_dir], capture_output=True)
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _postgres_admin_connection(url: sa.URL) -> psycopg.Connection:
+    # CREATE/DROP DATABASE cannot run inside a transaction.
+    return psycopg.connect(
+        host=url.host, port=url.port, user=url.username, password=url.password, dbname=url.database, autocommit=True
+    )
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A URL of a fresh, empty database, once per backend."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/server.db"
+        return
+    server_url = sa.make_url(request.getfixturevalue("postgres_url"))
+    name = f"test_{uuid.uuid4().hex}"
+    with _postgres_admin_connection(server_url) as connection:
+        connection.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    yield server_url.set(database=name).render_as_string(hide_password=False)
+    with _postgres_admin_connection(server_url) as connection:
+        connection.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
