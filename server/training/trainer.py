@@ -98,7 +98,8 @@ class Trainer:
                 for row, index in enumerate(batch):
                     datum_inputs = inputs[index]
                     num_positions = len(examples[index].input_ids)
-                    logprobs = self._target_logprobs(hidden_BTD[row, :num_positions], datum_inputs["target_tokens"])
+                    logprobs = self._target_logprobs(hidden_BTD[row, :num_positions], datum_inputs["target_tokens"],
+                                                     run.adapter)
                     elementwise = spec.fn(logprobs, datum_inputs, config)
                     batch_loss = batch_loss + elementwise.sum()
                     outputs.append({"logprobs": logprobs.detach().float().cpu().numpy(),
@@ -162,7 +163,7 @@ class Trainer:
                        use_cache=False)
         return out.last_hidden_state
 
-    def _target_logprobs(self, hidden_ND: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _target_logprobs(self, hidden_ND: torch.Tensor, targets: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:
         """log p(target) per position, through lm_head in chunks of positions.
 
         Under autograd each chunk is checkpointed, so only hidden states are kept for backward:
@@ -173,15 +174,18 @@ class Trainer:
         for start in range(0, hidden_ND.shape[0], self.config.logprob_chunk_size):
             stop = start + self.config.logprob_chunk_size
             if torch.is_grad_enabled():
-                pieces.append(checkpoint(self._chunk_logprobs, hidden_ND[start:stop], targets_NK[start:stop],
+                pieces.append(checkpoint(self._chunk_logprobs, hidden_ND[start:stop], targets_NK[start:stop], adapter,
                                          use_reentrant=False))
             else:
-                pieces.append(self._chunk_logprobs(hidden_ND[start:stop], targets_NK[start:stop]))
+                pieces.append(self._chunk_logprobs(hidden_ND[start:stop], targets_NK[start:stop], adapter))
         logprobs_NK = torch.cat(pieces) if pieces else hidden_ND.new_zeros((0, targets_NK.shape[1]))
         return logprobs_NK if targets.dim() == 2 else logprobs_NK[:, 0]
 
-    def _chunk_logprobs(self, hidden_CD: torch.Tensor, targets_CK: torch.Tensor) -> torch.Tensor:
-        logits_CV = self.base.model.lm_head(hidden_CD).float()
+    def _chunk_logprobs(self, hidden_CD: torch.Tensor, targets_CK: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:
+        # The adapter is entered here, not only by the caller: checkpoint recomputes this chunk during
+        # backward, which on CUDA runs on autograd's device thread, where the thread-local adapter is unset.
+        with use_adapter(adapter):
+            logits_CV = self.base.model.lm_head(hidden_CD).float()
         return torch.log_softmax(logits_CV, dim=-1).gather(-1, targets_CK)
 
     # -- optimizer -------------------------------------------------------------------------------

@@ -1,0 +1,55 @@
+"""Fixtures of the SDK suite: one live server per database backend, shared by the tests.
+
+Every server of a test run shares one built-in model cache, so the tiny model is built once.
+"""
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+import tinker
+from psycopg import sql
+
+from live_server import LiveServer, start_server
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session", params=["sqlite", "postgresql"])
+def backend_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A fresh journal database per backend, for the whole SDK suite."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('sqlite')}/server.db"
+        return
+    yield from _fresh_postgres_database(request)
+
+
+def _fresh_postgres_database(request: pytest.FixtureRequest) -> Iterator[str]:
+    server_url = sa.make_url(request.getfixturevalue("postgres_url"))
+    name = f"sdk_{uuid.uuid4().hex}"
+    connect = dict(host=server_url.host, port=server_url.port, user=server_url.username,
+                   password=server_url.password, dbname=server_url.database, autocommit=True)
+    with psycopg.connect(**connect) as connection:
+        connection.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    yield server_url.set(database=name).render_as_string(hide_password=False)
+    with psycopg.connect(**connect) as connection:
+        connection.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture(scope="session")
+def server(backend_url: str, models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One live server per database backend, shared by the SDK suite."""
+    live = start_server(tmp_path_factory.mktemp("server"), backend_url, models_dir)
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="session")
+def service_client(server: LiveServer) -> tinker.ServiceClient:
+    return server.service_client()

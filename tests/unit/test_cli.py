@@ -1,0 +1,84 @@
+"""Freezes the command line of `python -m server` and how it becomes the settings tree.
+
+Adding, renaming or removing a flag must be a deliberate edit of CLI_OPTIONS below.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from server.config import ModelConfig, build_arg_parser, parse_config
+
+CLI_OPTIONS = {
+    "-h", "--help",
+    "--base-model",
+    "--model-path",
+    "--host",
+    "--port",
+    "--data-dir",
+    "--database-url",
+    "--device",
+    "--dtype",
+    "--fwdbwd-chunk-len",
+}
+DATABASE_URL_ENV = "TINKER_SERVER_DATABASE_URL"
+
+
+def test_the_cli_has_exactly_the_frozen_set_of_options():
+    parser = build_arg_parser()
+    assert {option for action in parser._actions for option in action.option_strings} == CLI_OPTIONS
+
+
+def test_base_model_is_the_only_required_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_config([])
+    assert "--base-model" in capsys.readouterr().err
+    config = parse_config(["--base-model", "builtin:tiny-qwen3"])
+    assert config.model.base_model == "builtin:tiny-qwen3"
+    assert (config.host, config.port, config.model.device, config.model.dtype) == ("127.0.0.1", 8000, "cpu",
+                                                                                    "float32")
+
+
+def test_without_a_url_the_journal_is_sqlite_under_the_data_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv(DATABASE_URL_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+
+    config = parse_config(["--base-model", "builtin:tiny-qwen3", "--data-dir", "relative/data"])
+
+    data_dir = tmp_path / "relative" / "data"
+    assert config.data_dir == data_dir
+    assert config.store.database_url == f"sqlite:///{data_dir}/server.db"
+    assert config.store.checkpoint_dir == data_dir / "checkpoints"
+    assert config.model.model_cache_dir == data_dir / "models"
+
+
+def test_the_database_url_comes_from_the_environment_unless_the_flag_is_given(tmp_path, monkeypatch):
+    env_url = "postgresql+psycopg://env-user@db.example/journal"
+    flag_url = "postgresql+psycopg://flag-user@db.example/journal"
+    monkeypatch.setenv(DATABASE_URL_ENV, env_url)
+    common = ["--base-model", "builtin:tiny-qwen3", "--data-dir", str(tmp_path)]
+
+    assert parse_config(common).store.database_url == env_url
+    assert parse_config([*common, "--database-url", flag_url]).store.database_url == flag_url
+    monkeypatch.delenv(DATABASE_URL_ENV)
+    assert parse_config([*common, "--database-url", flag_url]).store.database_url == flag_url
+
+
+def test_flags_reach_their_sub_configs(tmp_path, monkeypatch):
+    monkeypatch.delenv(DATABASE_URL_ENV, raising=False)
+    config = parse_config(["--base-model", "Qwen/Qwen3-VL-4B-Instruct", "--model-path", str(tmp_path / "model"),
+                           "--host", "0.0.0.0", "--port", "9001", "--device", "cuda:1", "--dtype", "bfloat16",
+                           "--fwdbwd-chunk-len", "64"])
+
+    assert config.model.model_path == tmp_path / "model"
+    assert (config.host, config.port) == ("0.0.0.0", 9001)
+    assert (config.model.device, config.model.dtype) == ("cuda:1", "bfloat16")
+    assert config.client.fwdbwd_max_chunk_len == 64
+
+
+def test_a_bad_dtype_is_rejected_by_the_cli_and_by_the_model_config(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        parse_config(["--base-model", "builtin:tiny-qwen3", "--dtype", "float64"])
+    assert "--dtype" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="dtype"):
+        ModelConfig(base_model="builtin:tiny-qwen3", model_path=None, model_cache_dir=Path(tmp_path), dtype="int8")

@@ -1,0 +1,528 @@
+"""The LoRA trainer on the built-in tiny Qwen3, against plain HF forwards, torch's AdamW and PEFT.
+
+Every reference here is computed outside the trainer: full unpadded forwards of the HF model with
+the adapter active, `torch.optim.AdamW` on copies of the adapter's tensors, and PEFT loading the
+saved sampler checkpoint.
+
+Shapes: N = positions of a datum, K = targets per position, V = vocabulary.
+"""
+
+import itertools
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from server.config import ModelConfig, TrainerConfig
+from server.errors import InvalidRequest
+from server.models.loading import load_base_model
+from server.models.tiny import ensure_builtin_model
+from server.rendering.training import TrainingExample
+from server.training.lora import LoraAdapter, use_adapter
+from server.training.trainer import Trainer
+from server.wire.types import AdamParams, LoraConfig
+
+BASE_MODEL = "builtin:tiny-qwen3"
+RANK = 4
+_model_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def model_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cache = tmp_path_factory.mktemp("builtin-models")
+    ensure_builtin_model(BASE_MODEL.removeprefix("builtin:"), cache)
+    return cache
+
+
+def build_trainer(model_cache_dir: Path, config: TrainerConfig) -> Trainer:
+    """A trainer over its own copy of the base model (the trainer wraps the model's linear layers)."""
+    base = load_base_model(ModelConfig(base_model=BASE_MODEL, model_path=None, model_cache_dir=model_cache_dir))
+    return Trainer(base, config)
+
+
+@pytest.fixture(scope="module")
+def trainer(model_cache_dir: Path) -> Trainer:
+    return build_trainer(model_cache_dir, TrainerConfig())
+
+
+@pytest.fixture(scope="module")
+def chunked_trainer(model_cache_dir: Path) -> Trainer:
+    """Three positions per lm_head chunk and micro-batches of at most 16 padded tokens."""
+    return build_trainer(model_cache_dir, TrainerConfig(max_tokens_per_microbatch=16, logprob_chunk_size=3))
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def create_run(trainer: Trainer, lora_config: LoraConfig | None = None, perturb_seed: int | None = 100) -> str:
+    """A new run; unless perturb_seed is None, B is set to seeded noise so the adapter changes the model."""
+    model_id = f"run-{next(_model_ids)}"
+    trainer.create_model(model_id, lora_config or LoraConfig(rank=RANK, seed=0))
+    if perturb_seed is not None:
+        generator = torch.Generator().manual_seed(perturb_seed)
+        adapter = trainer.models[model_id].adapter
+        with torch.no_grad():
+            for name in sorted(adapter.lora_B):
+                adapter.lora_B[name].copy_(torch.randn(adapter.lora_B[name].shape, generator=generator) * 0.05)
+    return model_id
+
+
+def sft_batch(seed: int, lengths: list[int], vocab_size: int, weights: str = "random") -> list[TrainingExample]:
+    """Datums of the given lengths: next-token targets and random (signed) or constant weights."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = []
+    for length in lengths:
+        tokens = torch.randint(0, vocab_size, (length + 1,), generator=generator)
+        if weights == "random":
+            weights_N = torch.randn(length, generator=generator)
+        else:
+            weights_N = torch.full((length,), float(weights))
+        batch.append(TrainingExample(input_ids=tokens[:-1].tolist(),
+                                     loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights_N}))
+    return batch
+
+
+def reference_logprobs(trainer: Trainer, adapter: LoraAdapter | None, example: TrainingExample) -> torch.Tensor:
+    """log p(target) from one unpadded full HF forward: logits -> log_softmax -> gather."""
+    targets = example.loss_fn_inputs["target_tokens"]
+    targets_NK = targets if targets.dim() == 2 else targets[:, None]
+    with use_adapter(adapter):
+        logits_NV = trainer.base.model(input_ids=torch.tensor([example.input_ids])).logits[0]
+    logprobs_NK = torch.log_softmax(logits_NV.float(), dim=-1).gather(-1, targets_NK)
+    return logprobs_NK if targets.dim() == 2 else logprobs_NK[:, 0]
+
+
+def gradients(trainer: Trainer, model_id: str) -> list[torch.Tensor]:
+    """Copies of the accumulated gradients, in the adapter's parameter order."""
+    return [p.grad.clone() for p in trainer.models[model_id].adapter.parameters()]
+
+
+def parameters(trainer: Trainer, model_id: str) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.models[model_id].adapter.parameters()]
+
+
+def assert_all_close(actual: list[torch.Tensor], expected: list[torch.Tensor], rtol: float, atol: float) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol)
+
+
+def all_close(actual: list[torch.Tensor], expected: list[torch.Tensor], rtol: float, atol: float) -> bool:
+    return all(torch.allclose(a, e, rtol=rtol, atol=atol) for a, e in zip(actual, expected, strict=True))
+
+
+def reference_adamw(start: list[torch.Tensor], grads_per_step: list[list[torch.Tensor]],
+                    params: AdamParams) -> list[torch.Tensor]:
+    """torch.optim.AdamW (with clip_grad_norm_ first, if asked) on copies, fed the given gradients."""
+    copies = [t.clone().requires_grad_(True) for t in start]
+    optimizer = torch.optim.AdamW(copies, lr=params.learning_rate, betas=(params.beta1, params.beta2),
+                                  eps=params.eps, weight_decay=params.weight_decay)
+    for grads in grads_per_step:
+        for copy, grad in zip(copies, grads, strict=True):
+            copy.grad = grad.clone()
+        if params.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(copies, params.grad_clip_norm)
+        optimizer.step()
+    return [c.detach() for c in copies]
+
+
+def global_norm(grads: list[torch.Tensor]) -> float:
+    return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+
+
+def train_step(trainer: Trainer, model_id: str, batch: list[TrainingExample], params: AdamParams) -> dict[str, float]:
+    trainer.forward_backward(model_id, batch, "cross_entropy", None, forward_only=False)
+    return trainer.optim_step(model_id, params)
+
+
+# -- forward_backward ------------------------------------------------------------------------------
+
+
+def test_cross_entropy_loss_logprobs_and_gradients_equal_unpadded_hf_forwards_for_a_mixed_length_batch(trainer):
+    model_id = create_run(trainer)
+    adapter = trainer.models[model_id].adapter
+    batch = sft_batch(0, [9, 3, 14, 6], trainer.base.vocab_size)
+
+    result = trainer.forward_backward(model_id, batch, "cross_entropy", None, forward_only=False)
+
+    reference_loss = torch.zeros(())
+    for example, output in zip(batch, result.outputs, strict=True):
+        expected = reference_logprobs(trainer, adapter, example)
+        weights = example.loss_fn_inputs["weights"]
+        assert output["logprobs"].dtype == np.float32
+        assert output["logprobs"].shape == (len(example.input_ids),)
+        torch.testing.assert_close(torch.from_numpy(output["logprobs"]), expected.detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(output["elementwise_loss"]), -(expected * weights).detach(),
+                                   rtol=0, atol=1e-5)
+        reference_loss = reference_loss + (-(expected * weights)).sum()
+    assert result.metrics["loss:sum"] == pytest.approx(float(reference_loss.detach()), abs=1e-4)
+
+    expected_grads = torch.autograd.grad(reference_loss, adapter.parameters())
+    assert_all_close(gradients(trainer, model_id), list(expected_grads), rtol=1e-4, atol=1e-5)
+    # The adapter really changes the model, so the comparisons above see its contribution.
+    base_logprobs = reference_logprobs(trainer, None, batch[0])
+    assert (torch.from_numpy(result.outputs[0]["logprobs"]) - base_logprobs).abs().max() > 1e-3
+
+
+def test_top_k_cross_entropy_returns_logprobs_of_every_target_column(trainer):
+    model_id = create_run(trainer)
+    generator = torch.Generator().manual_seed(5)
+    num_positions, k = 7, 3
+    targets_NK = torch.randint(0, trainer.base.vocab_size, (num_positions, k), generator=generator)
+    weights_NK = torch.randn(num_positions, k, generator=generator)
+    example = TrainingExample(input_ids=torch.randint(0, 500, (num_positions,), generator=generator).tolist(),
+                              loss_fn_inputs={"target_tokens": targets_NK, "weights": weights_NK})
+
+    result = trainer.forward_backward(model_id, [example], "cross_entropy", None, forward_only=True)
+
+    expected_NK = reference_logprobs(trainer, trainer.models[model_id].adapter, example).detach()
+    assert result.outputs[0]["logprobs"].shape == (num_positions, k)
+    torch.testing.assert_close(torch.from_numpy(result.outputs[0]["logprobs"]), expected_NK, rtol=0, atol=1e-5)
+    assert result.metrics["loss:sum"] == pytest.approx(float(-(expected_NK * weights_NK).sum()), abs=1e-4)
+
+
+def test_tiny_logprob_chunks_and_micro_batches_give_the_same_logprobs_and_gradients_as_the_defaults(
+        trainer, chunked_trainer):
+    batch = sft_batch(1, [9, 3, 14, 6, 2], trainer.base.vocab_size)
+    # The chunked trainer really splits this batch; the default one runs it as one micro-batch.
+    assert len(chunked_trainer._microbatches(batch)) > 1
+    assert len(trainer._microbatches(batch)) == 1
+    default_id, chunked_id = create_run(trainer), create_run(chunked_trainer)
+    assert_all_close(parameters(chunked_trainer, chunked_id), parameters(trainer, default_id), rtol=0, atol=0)
+
+    default = trainer.forward_backward(default_id, batch, "cross_entropy", None, forward_only=False)
+    chunked = chunked_trainer.forward_backward(chunked_id, batch, "cross_entropy", None, forward_only=False)
+
+    for a, b in zip(chunked.outputs, default.outputs, strict=True):
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=0, atol=1e-5)
+    assert chunked.metrics["loss:sum"] == pytest.approx(default.metrics["loss:sum"], abs=1e-4)
+    assert_all_close(gradients(chunked_trainer, chunked_id), gradients(trainer, default_id), rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_of_two_calls_on_halves_of_a_batch_equal_one_call_on_the_whole_batch(trainer):
+    batch = sft_batch(2, [5, 11, 4, 8], trainer.base.vocab_size)
+    whole_id, halves_id = create_run(trainer), create_run(trainer)
+
+    whole = trainer.forward_backward(whole_id, batch, "cross_entropy", None, forward_only=False)
+    first = trainer.forward_backward(halves_id, batch[:2], "cross_entropy", None, forward_only=False)
+    second = trainer.forward_backward(halves_id, batch[2:], "cross_entropy", None, forward_only=False)
+
+    assert first.metrics["loss:sum"] + second.metrics["loss:sum"] == pytest.approx(whole.metrics["loss:sum"],
+                                                                                   abs=1e-4)
+    assert_all_close(gradients(trainer, halves_id), gradients(trainer, whole_id), rtol=1e-4, atol=1e-5)
+    # Accumulation, not replacement: the second half alone gives other gradients.
+    second_only_id = create_run(trainer)
+    trainer.forward_backward(second_only_id, batch[2:], "cross_entropy", None, forward_only=False)
+    assert not all_close(gradients(trainer, second_only_id), gradients(trainer, whole_id), rtol=1e-3, atol=1e-4)
+
+
+def test_zero_weights_give_an_exactly_zero_gradient_and_forward_only_accumulates_nothing(trainer):
+    model_id = create_run(trainer)
+    batch = sft_batch(3, [6, 10], trainer.base.vocab_size, weights="0")
+
+    result = trainer.forward_backward(model_id, batch, "cross_entropy", None, forward_only=False)
+
+    assert result.metrics["loss:sum"] == 0.0
+    assert all(torch.count_nonzero(g) == 0 for g in gradients(trainer, model_id))
+    forward_only_id = create_run(trainer)
+    trainer.forward_backward(forward_only_id, sft_batch(3, [6, 10], trainer.base.vocab_size), "cross_entropy",
+                             None, forward_only=True)
+    assert all(p.grad is None for p in trainer.models[forward_only_id].adapter.parameters())
+
+
+def test_gradients_do_not_depend_on_the_thread_that_runs_backward(trainer, monkeypatch):
+    # On CUDA, autograd runs backward (and so checkpoint's recomputation of the lm_head chunks) on
+    # its own device thread, where the training thread's active adapter is not set.
+    batch = sft_batch(4, [7, 5], trainer.base.vocab_size)
+    same_thread_id = create_run(trainer)
+    trainer.forward_backward(same_thread_id, batch, "cross_entropy", None, forward_only=False)
+
+    backward = torch.Tensor.backward
+
+    def backward_on_another_thread(tensor, *args, **kwargs):
+        errors = []
+
+        def run():
+            try:
+                backward(tensor, *args, **kwargs)
+            except BaseException as error:
+                errors.append(error)
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        worker.join()
+        if errors:
+            raise errors[0]
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward_on_another_thread)
+    other_thread_id = create_run(trainer)
+    trainer.forward_backward(other_thread_id, batch, "cross_entropy", None, forward_only=False)
+
+    assert "lm_head" in trainer.models[other_thread_id].adapter.lora_A
+    assert_all_close(gradients(trainer, other_thread_id), gradients(trainer, same_thread_id), rtol=1e-5, atol=1e-6)
+
+
+def test_policy_losses_with_sampler_logprobs_equal_to_the_current_ones_see_unit_ratios(trainer):
+    model_id = create_run(trainer)
+    example = sft_batch(6, [8], trainer.base.vocab_size)[0]
+    current = trainer.forward_backward(model_id, [example], "cross_entropy", None, forward_only=True)
+    advantages_N = torch.randn(8, generator=torch.Generator().manual_seed(6))
+    inputs = {"target_tokens": example.loss_fn_inputs["target_tokens"],
+              "logprobs": torch.from_numpy(current.outputs[0]["logprobs"]), "advantages": advantages_N}
+    policy_example = TrainingExample(input_ids=example.input_ids, loss_fn_inputs=inputs)
+
+    # ratio 1: IS and PPO give -A per token; CISPO and DRO (no penalty) give -logp * A.
+    for loss_fn, config, expected_N in [
+        ("importance_sampling", None, -advantages_N),
+        ("ppo", None, -advantages_N),
+        ("cispo", None, -inputs["logprobs"] * advantages_N),
+        ("dro", {"beta": 0.3}, -inputs["logprobs"] * advantages_N),
+    ]:
+        result = trainer.forward_backward(model_id, [policy_example], loss_fn, config, forward_only=True)
+        np.testing.assert_allclose(result.outputs[0]["elementwise_loss"], expected_N.numpy(), rtol=1e-5, atol=1e-5,
+                                   err_msg=loss_fn)
+        np.testing.assert_allclose(result.outputs[0]["logprobs"], inputs["logprobs"].numpy(), rtol=0, atol=1e-6)
+        assert result.metrics["loss:sum"] == pytest.approx(float(expected_N.sum()), abs=1e-4)
+
+
+# -- optim_step -----------------------------------------------------------------------------------
+
+ADAM = AdamParams(learning_rate=0.05, beta1=0.5, beta2=0.6, eps=0.5, weight_decay=0.3)
+
+
+def test_two_optim_steps_equal_torch_adamw_with_every_adam_params_field(trainer):
+    model_id = create_run(trainer)
+    start = parameters(trainer, model_id)
+    grads_per_step, reported = [], []
+    for seed in (10, 11):
+        trainer.forward_backward(model_id, sft_batch(seed, [7, 4], trainer.base.vocab_size), "cross_entropy", None,
+                                 forward_only=False)
+        grads_per_step.append(gradients(trainer, model_id))
+        reported.append(trainer.optim_step(model_id, ADAM))
+        assert all(p.grad is None for p in trainer.models[model_id].adapter.parameters())
+
+    after = parameters(trainer, model_id)
+    assert_all_close(after, reference_adamw(start, grads_per_step, ADAM), rtol=1e-5, atol=1e-6)
+    for metrics, grads in zip(reported, grads_per_step, strict=True):
+        assert metrics["grad_norm:mean"] == pytest.approx(global_norm(grads), rel=1e-5)
+        assert metrics["learning_rate:mean"] == ADAM.learning_rate
+    assert trainer.models[model_id].num_steps == 2
+    # Each field matters on this data: ignoring any one of them would fail the comparison above.
+    defaults = AdamParams()
+    for field in ("learning_rate", "beta1", "beta2", "eps", "weight_decay"):
+        ignored = ADAM.model_copy(update={field: getattr(defaults, field)})
+        assert not all_close(after, reference_adamw(start, grads_per_step, ignored), rtol=1e-5, atol=1e-6), field
+
+
+def test_grad_clip_norm_clips_the_global_norm_and_the_reported_norm_is_the_pre_clip_one(trainer):
+    model_id = create_run(trainer)
+    start = parameters(trainer, model_id)
+    trainer.forward_backward(model_id, sft_batch(12, [9, 5], trainer.base.vocab_size), "cross_entropy", None,
+                             forward_only=False)
+    grads = gradients(trainer, model_id)
+    pre_clip_norm = global_norm(grads)
+    params = ADAM.model_copy(update={"grad_clip_norm": pre_clip_norm / 4})
+
+    metrics = trainer.optim_step(model_id, params)
+
+    assert metrics["grad_norm:mean"] == pytest.approx(pre_clip_norm, rel=1e-5)
+    after = parameters(trainer, model_id)
+    assert_all_close(after, reference_adamw(start, [grads], params), rtol=1e-5, atol=1e-6)
+    unclipped = reference_adamw(start, [grads], ADAM)
+    assert not all_close(after, unclipped, rtol=1e-5, atol=1e-6)
+
+
+# -- adapters -------------------------------------------------------------------------------------
+
+
+def expected_targets(trainer: Trainer, train_attn: bool, train_mlp: bool, train_unembed: bool) -> set[str]:
+    num_layers = trainer.base.model.config.num_hidden_layers
+    names = set()
+    for layer in range(num_layers):
+        if train_attn:
+            names |= {f"model.layers.{layer}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        if train_mlp:
+            names |= {f"model.layers.{layer}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    return names | ({"lm_head"} if train_unembed else set())
+
+
+@pytest.mark.parametrize(("train_attn", "train_mlp", "train_unembed"), [
+    (True, False, False), (False, True, False), (False, False, True), (True, False, True), (True, True, True),
+])
+def test_train_flags_select_exactly_the_attention_mlp_and_unembedding_layers(trainer, train_attn, train_mlp,
+                                                                             train_unembed):
+    model_id = create_run(trainer, LoraConfig(rank=RANK, seed=0, train_attn=train_attn, train_mlp=train_mlp,
+                                              train_unembed=train_unembed), perturb_seed=None)
+    adapter = trainer.models[model_id].adapter
+
+    assert set(adapter.lora_A) == expected_targets(trainer, train_attn, train_mlp, train_unembed)
+    for name in adapter.lora_A:
+        base_linear = trainer.base.model.get_submodule(name).base
+        assert adapter.lora_A[name].shape == (RANK, base_linear.in_features)
+        assert adapter.lora_B[name].shape == (base_linear.out_features, RANK)
+
+
+def test_the_seed_makes_initialisation_deterministic_and_different_seeds_differ(trainer):
+    first = trainer.models[create_run(trainer, LoraConfig(rank=RANK, seed=7), perturb_seed=None)].adapter
+    again = trainer.models[create_run(trainer, LoraConfig(rank=RANK, seed=7), perturb_seed=None)].adapter
+    other = trainer.models[create_run(trainer, LoraConfig(rank=RANK, seed=8), perturb_seed=None)].adapter
+
+    for name in first.lora_A:
+        assert torch.equal(first.lora_A[name], again.lora_A[name])
+        assert not torch.equal(first.lora_A[name], other.lora_A[name])
+        assert first.lora_A[name].abs().max() > 0
+
+
+def test_a_fresh_adapter_has_zero_b_and_gives_the_base_model_logprobs(trainer):
+    model_id = create_run(trainer, LoraConfig(rank=RANK, seed=3), perturb_seed=None)
+    adapter = trainer.models[model_id].adapter
+    batch = sft_batch(7, [10, 4], trainer.base.vocab_size)
+
+    result = trainer.forward_backward(model_id, batch, "cross_entropy", None, forward_only=True)
+
+    assert all(torch.count_nonzero(b) == 0 for b in adapter.lora_B.values())
+    for example, output in zip(batch, result.outputs, strict=True):
+        with torch.no_grad():
+            expected = reference_logprobs(trainer, None, example)
+        torch.testing.assert_close(torch.from_numpy(output["logprobs"]), expected, rtol=0, atol=1e-5)
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+def test_a_training_checkpoint_reproduces_the_next_update_in_another_trainer(trainer, chunked_trainer, tmp_path):
+    vocab = trainer.base.vocab_size
+    lora_config = LoraConfig(rank=RANK, seed=0, train_mlp=False)
+    original_id = create_run(trainer, lora_config)
+    for seed in (20, 21):
+        train_step(trainer, original_id, sft_batch(seed, [6, 9], vocab), ADAM)
+    trainer.save_state(original_id, tmp_path / "state")
+    saved = parameters(trainer, original_id)
+    next_batch = sft_batch(22, [8, 5], vocab)
+    train_step(trainer, original_id, next_batch, ADAM)
+    expected = parameters(trainer, original_id)
+
+    restored_id = "restored"
+    assert trainer.create_model_from_checkpoint(restored_id, tmp_path / "state", with_optimizer=True) == lora_config
+    assert trainer.models[restored_id].num_steps == 2
+    assert_all_close(parameters(trainer, restored_id), saved, rtol=0, atol=0)
+    train_step(trainer, restored_id, next_batch, ADAM)
+    assert_all_close(parameters(trainer, restored_id), expected, rtol=1e-5, atol=1e-6)
+
+    # load_state into an existing run of the same shape, on another trainer and base model copy.
+    other_id = create_run(chunked_trainer, lora_config.model_copy(update={"seed": 99}))
+    chunked_trainer.load_state(other_id, tmp_path / "state", with_optimizer=True)
+    assert_all_close(parameters(chunked_trainer, other_id), saved, rtol=0, atol=0)
+    train_step(chunked_trainer, other_id, next_batch, ADAM)
+    assert_all_close(parameters(chunked_trainer, other_id), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_loading_a_checkpoint_without_the_optimizer_resets_the_adam_moments(trainer, tmp_path):
+    vocab = trainer.base.vocab_size
+    original_id = create_run(trainer)
+    for seed in (30, 31):
+        train_step(trainer, original_id, sft_batch(seed, [6, 9], vocab), ADAM)
+    trainer.save_state(original_id, tmp_path / "state")
+    saved = parameters(trainer, original_id)
+    next_batch = sft_batch(32, [7], vocab)
+
+    fresh_id = "weights-only"
+    trainer.create_model_from_checkpoint(fresh_id, tmp_path / "state", with_optimizer=False)
+    assert trainer.models[fresh_id].optimizer.state_dict()["state"] == {}
+    trainer.forward_backward(fresh_id, next_batch, "cross_entropy", None, forward_only=False)
+    grads = gradients(trainer, fresh_id)
+    trainer.optim_step(fresh_id, ADAM)
+    # A first AdamW step from the saved weights, not a third step with the saved moments.
+    assert_all_close(parameters(trainer, fresh_id), reference_adamw(saved, [grads], ADAM), rtol=1e-5, atol=1e-6)
+    train_step(trainer, original_id, next_batch, ADAM)
+    assert not all_close(parameters(trainer, fresh_id), parameters(trainer, original_id), rtol=1e-4, atol=1e-5)
+
+    # load_state without the optimizer also drops the moments an existing run had.
+    trainer.load_state(original_id, tmp_path / "state", with_optimizer=False)
+    assert trainer.models[original_id].optimizer.state_dict()["state"] == {}
+    assert_all_close(parameters(trainer, original_id), saved, rtol=0, atol=0)
+
+
+def test_checkpoint_loads_that_cannot_work_are_refused(trainer, tmp_path):
+    model_id = create_run(trainer)
+    trainer.save_for_sampler(model_id, tmp_path / "sampler")
+    trainer.save_state(model_id, tmp_path / "state")
+
+    with pytest.raises(InvalidRequest, match="no optimizer state"):
+        trainer.create_model_from_checkpoint("needs-optimizer", tmp_path / "sampler", with_optimizer=True)
+    other_rank_id = create_run(trainer, LoraConfig(rank=RANK * 2, seed=0))
+    with pytest.raises(InvalidRequest, match="rank"):
+        trainer.load_state(other_rank_id, tmp_path / "state", with_optimizer=True)
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")
+def test_a_sampler_checkpoint_loads_in_peft_and_gives_the_trainer_logprobs(trainer, tmp_path):
+    model_id = create_run(trainer)
+    train_step(trainer, model_id, sft_batch(40, [6, 9], trainer.base.vocab_size), ADAM)
+    batch = sft_batch(41, [12, 5], trainer.base.vocab_size)
+    result = trainer.forward_backward(model_id, batch, "cross_entropy", None, forward_only=True)
+
+    assert trainer.save_for_sampler(model_id, tmp_path / "sampler") > 0
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trainer.base.path),
+                                           tmp_path / "sampler").eval()
+
+    for example, output in zip(batch, result.outputs, strict=True):
+        targets = example.loss_fn_inputs["target_tokens"]
+        with torch.no_grad():
+            logits_NV = peft_model(input_ids=torch.tensor([example.input_ids])).logits[0]
+        expected = torch.log_softmax(logits_NV.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+        torch.testing.assert_close(torch.from_numpy(output["logprobs"]), expected, rtol=0, atol=1e-4)
+    # The adapter really changes the model, so PEFT must apply it to match.
+    with torch.no_grad(), peft_model.disable_adapter():
+        base_logits_NV = peft_model(input_ids=torch.tensor([batch[0].input_ids])).logits[0]
+    base_logprobs = torch.log_softmax(base_logits_NV.float(), dim=-1).gather(
+        -1, batch[0].loss_fn_inputs["target_tokens"][:, None])[:, 0]
+    assert (torch.from_numpy(result.outputs[0]["logprobs"]) - base_logprobs).abs().max() > 1e-3
+
+
+# -- invalid input --------------------------------------------------------------------------------
+
+
+def _invalid_inputs(case: str, vocab_size: int) -> tuple[str, dict[str, torch.Tensor]]:
+    targets = torch.arange(1, 7)
+    ones = torch.ones(6)
+    return {
+        "targets_longer_than_input": ("cross_entropy", {"target_tokens": torch.arange(1, 8), "weights": ones}),
+        "targets_shorter_than_input": ("cross_entropy", {"target_tokens": targets[:5], "weights": ones[:5]}),
+        "target_equal_to_vocab_size": ("cross_entropy",
+                                       {"target_tokens": torch.tensor([1, 2, 3, 4, 5, vocab_size]), "weights": ones}),
+        "negative_target": ("cross_entropy", {"target_tokens": torch.tensor([1, 2, -1, 4, 5, 6]), "weights": ones}),
+        "weights_shape_mismatch": ("cross_entropy", {"target_tokens": targets, "weights": torch.ones(7)}),
+        "missing_target_tokens": ("cross_entropy", {"weights": ones}),
+        "ppo_without_advantages": ("ppo", {"target_tokens": targets, "logprobs": -ones}),
+        "ppo_logprobs_shape_mismatch": ("ppo", {"target_tokens": targets, "logprobs": -torch.ones(6, 2),
+                                                "advantages": ones}),
+    }[case]
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("targets_longer_than_input", "target_tokens has shape"),
+    ("targets_shorter_than_input", "target_tokens has shape"),
+    ("target_equal_to_vocab_size", "target_tokens must be in"),
+    ("negative_target", "target_tokens must be in"),
+    ("weights_shape_mismatch", "weights has shape"),
+    ("missing_target_tokens", "needs target_tokens"),
+    ("ppo_without_advantages", "needs advantages"),
+    ("ppo_logprobs_shape_mismatch", "logprobs has shape"),
+])
+def test_invalid_datums_are_refused_before_any_gradient_is_accumulated(trainer, case, message):
+    model_id = create_run(trainer)
+    loss_fn, inputs = _invalid_inputs(case, trainer.base.vocab_size)
+    valid = TrainingExample(input_ids=[1, 2, 3, 4, 5, 6], loss_fn_inputs={
+        "target_tokens": torch.arange(2, 8), "weights": torch.ones(6), "logprobs": -torch.ones(6),
+        "advantages": torch.ones(6)})
+    invalid = TrainingExample(input_ids=[1, 2, 3, 4, 5, 6], loss_fn_inputs=inputs)
+
+    with pytest.raises(InvalidRequest, match=f"datum 1: .*{message}"):
+        trainer.forward_backward(model_id, [valid, invalid], loss_fn, None, forward_only=False)
+    assert all(p.grad is None for p in trainer.models[model_id].adapter.parameters())
