@@ -26,8 +26,9 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
     def prepare():
         if not fwdbwd.data:
             raise InvalidRequest("forward_backward needs at least one datum")
-        resolve_loss(fwdbwd.loss_fn, fwdbwd.loss_fn_config)
-        examples = [render_training_datum(datum, index, services.base.vocab_size, limits.max_sequence_length)
+        spec, _ = resolve_loss(fwdbwd.loss_fn, fwdbwd.loss_fn_config)
+        examples = [render_training_datum(datum, index, vocab_size=services.base.vocab_size,
+                                          max_length=limits.max_sequence_length, required_inputs=spec.inputs)
                     for index, datum in enumerate(fwdbwd.data)]
 
         def work():

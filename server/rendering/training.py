@@ -38,7 +38,39 @@ def model_input_token_ids(model_input: ModelInput, vocab_size: int, max_length: 
     return input_ids
 
 
-def render_training_datum(datum: Datum, index: int, vocab_size: int, max_length: int) -> TrainingExample:
-    """One datum as the trainer consumes it."""
+def check_loss_fn_inputs(index: int, num_positions: int, given: dict[str, torch.Tensor],
+                         required: tuple[str, ...], vocab_size: int) -> dict[str, torch.Tensor]:
+    """The loss inputs a loss needs, shaped like target_tokens ([N] or [N, K], N = rendered length).
+
+    Missing `weights` default to ones; targets become int64 and everything else float32.
+    """
+    if "target_tokens" not in given:
+        raise InvalidRequest(f"datum {index}: loss_fn_inputs needs target_tokens")
+    targets = given["target_tokens"].long()
+    if targets.dim() not in (1, 2) or targets.shape[0] != num_positions:
+        raise InvalidRequest(f"datum {index}: target_tokens has shape {list(targets.shape)} but the model input "
+                             f"renders to {num_positions} positions (expected [{num_positions}] or "
+                             f"[{num_positions}, K])")
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
+        raise InvalidRequest(f"datum {index}: target_tokens must be in [0, {vocab_size})")
+    inputs = {"target_tokens": targets}
+    for name in required:
+        if name not in given:
+            if name != "weights":
+                raise InvalidRequest(f"datum {index}: loss_fn_inputs needs {name}")
+            inputs[name] = torch.ones(targets.shape, dtype=torch.float32)
+            continue
+        value = given[name].float()
+        if value.shape != targets.shape:
+            raise InvalidRequest(f"datum {index}: {name} has shape {list(value.shape)}, "
+                                 f"target_tokens has {list(targets.shape)}")
+        inputs[name] = value
+    return inputs
+
+
+def render_training_datum(datum: Datum, index: int, *, vocab_size: int, max_length: int,
+                          required_inputs: tuple[str, ...]) -> TrainingExample:
+    """One datum as the trainer consumes it, with its loss inputs checked against its rendered length."""
     input_ids = model_input_token_ids(datum.model_input, vocab_size, max_length, f"datum {index}")
-    return TrainingExample(input_ids=input_ids, loss_fn_inputs=dict(datum.loss_fn_inputs))
+    loss_fn_inputs = check_loss_fn_inputs(index, len(input_ids), datum.loss_fn_inputs, required_inputs, vocab_size)
+    return TrainingExample(input_ids=input_ids, loss_fn_inputs=loss_fn_inputs)

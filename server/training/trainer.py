@@ -88,7 +88,8 @@ class Trainer:
         """Run the loss on every datum; unless forward_only, add its gradient to the run's accumulators."""
         run = self.get(model_id)
         spec, config = resolve_loss(loss_fn, loss_fn_config)
-        inputs = [self._loss_inputs(i, example, spec.inputs) for i, example in enumerate(examples)]
+        # The renderer has validated every input against the datum's length and the vocabulary.
+        inputs = [{name: t.to(self.device) for name, t in example.loss_fn_inputs.items()} for example in examples]
         outputs: list[dict[str, np.ndarray]] = []
         total_loss = 0.0
         with use_adapter(run.adapter), torch.set_grad_enabled(not forward_only):
@@ -108,33 +109,6 @@ class Trainer:
                     batch_loss.backward()
                 total_loss += float(batch_loss.detach())
         return ForwardBackwardResult(outputs=outputs, metrics={"loss:sum": total_loss})
-
-    def _loss_inputs(self, index: int, example: TrainingExample, required: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """Check one datum's loss_fn_inputs against its rendered length and the vocabulary; move them to device."""
-        given = example.loss_fn_inputs
-        num_positions = len(example.input_ids)
-        if "target_tokens" not in given:
-            raise InvalidRequest(f"datum {index}: loss_fn_inputs needs target_tokens")
-        targets = given["target_tokens"].long()
-        if targets.dim() not in (1, 2) or targets.shape[0] != num_positions:
-            raise InvalidRequest(f"datum {index}: target_tokens has shape {list(targets.shape)} but the model input "
-                                 f"renders to {num_positions} positions (expected [{num_positions}] or "
-                                 f"[{num_positions}, K])")
-        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= self.base.vocab_size):
-            raise InvalidRequest(f"datum {index}: target_tokens must be in [0, {self.base.vocab_size})")
-        inputs = {"target_tokens": targets.to(self.device)}
-        for name in required:
-            if name not in given:
-                if name != "weights":
-                    raise InvalidRequest(f"datum {index}: loss_fn_inputs needs {name}")
-                inputs[name] = torch.ones(targets.shape, dtype=torch.float32, device=self.device)
-                continue
-            value = given[name].float()
-            if value.shape != targets.shape:
-                raise InvalidRequest(f"datum {index}: {name} has shape {list(value.shape)}, "
-                                     f"target_tokens has {list(targets.shape)}")
-            inputs[name] = value.to(self.device)
-        return inputs
 
     def _microbatches(self, examples: list[TrainingExample]) -> list[list[int]]:
         """Consecutive datums grouped so padded tokens per micro-batch stay under the budget."""

@@ -199,7 +199,7 @@ def test_forward_backward_custom_runs_on_the_client(service_client, tokenizer):
 
     def mean_nll(data, logprobs_list):
         loss = -sum(lp.sum() for lp in logprobs_list) / sum(len(lp) for lp in logprobs_list)
-        return loss, {"mean_nll:mean": float(loss)}
+        return loss, {"mean_nll:mean": float(loss.detach())}
 
     out = tc.forward_backward_custom(data, mean_nll).result()
     total = sum(len(d.model_input.to_ints()) for d in data)
