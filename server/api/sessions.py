@@ -1,6 +1,7 @@
 """Client bootstrap and session lifecycle: client/config, sessions, heartbeats, finish, telemetry."""
 
 import uuid
+from functools import partial
 
 from fastapi import APIRouter, Query
 
@@ -54,10 +55,17 @@ async def session_heartbeat(body: SessionHeartbeatRequest, services: ServicesDep
 @router.post("/sessions/{session_id}/finish")
 async def finish_session(session_id: str, body: FinishSessionRequest, services: ServicesDep,
                          owner: OwnerDep) -> dict:
-    """Close a session (ServiceClient.close); its runs and checkpoints stay listed."""
+    """Close a session (ServiceClient.close): its runs leave memory; runs and checkpoints stay listed."""
     session_of(services.store, session_id, owner)
     services.store.finish_session(session_id, body.reason.type)
+    for model_id in services.store.list_training_run_ids(session_id):
+        services.scheduler.retire_model(model_id, partial(_unload, services, model_id))
     return {}
+
+
+def _unload(services, model_id: str) -> None:
+    services.trainer.unload(model_id)
+    services.adapters.forget_run(model_id)
 
 
 @router.get("/sessions")

@@ -43,6 +43,12 @@ class SamplerAdapters:
                            f"survive a restart); save them with save_weights_for_sampler(name) to keep them")
         return entry[1]
 
+    def forget_run(self, model_id: str) -> None:
+        """Drop every unsaved snapshot of a training run."""
+        with self._lock:
+            for sid in [sid for sid, (mid, _) in self._ephemeral.items() if mid == model_id]:
+                del self._ephemeral[sid]
+
     def saved(self, directory: Path) -> LoraAdapter:
         """The adapter of a saved checkpoint, loaded on first use and kept while recently used."""
         with self._lock:

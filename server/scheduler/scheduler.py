@@ -32,6 +32,11 @@ class _ModelQueue:
     waiting: dict[int, tuple[str, Work]] = field(default_factory=dict)
 
 
+def _not_loaded(model_id: str) -> str:
+    return (f"model {model_id} is not loaded on this server (its session was closed or the server restarted); "
+            f"create it again from a checkpoint with create_training_client_from_state")
+
+
 class Scheduler:
     def __init__(self, store: Store):
         self.store = store
@@ -56,10 +61,16 @@ class Scheduler:
         record = await self._journal(request_id, request_type, model_id, seq_id, payload_hash)
         if record.request_id != request_id:
             return record.request_id
+        if seq_id == CREATION_SEQ_ID:
+            self._queues[model_id] = _ModelQueue()
         if seq_id is None or seq_id == CREATION_SEQ_ID:
             self._dispatch(self._training, request_id, work)
             return request_id
-        queue = self._queues.setdefault(model_id, _ModelQueue())
+        queue = self._queues.get(model_id)
+        if queue is None:
+            # Not created since this server started, or its session was closed: it would wait forever.
+            self._fail_now(request_id, NotFound(_not_loaded(model_id)))
+            return request_id
         if seq_id < queue.next_seq_id:
             self._fail_now(request_id, InvalidRequest(
                 f"seq_id {seq_id} of {model_id} comes after seq_id {queue.next_seq_id - 1} already ran"))
@@ -80,9 +91,15 @@ class Scheduler:
             self._dispatch(self._sampling, request_id, work)
         return record.request_id
 
-    def forget_model(self, model_id: str) -> None:
-        """Drop a model's ordering state (its requests that are still waiting never run)."""
-        self._queues.pop(model_id, None)
+    def retire_model(self, model_id: str, cleanup: Callable[[], None]) -> None:
+        """Stop accepting a model's requests and run `cleanup` on the training thread after its queued work.
+
+        Requests still waiting for an earlier seq_id fail now; later ones fail as not loaded.
+        """
+        queue = self._queues.pop(model_id, None)
+        for request_id, _ in (queue.waiting.values() if queue else []):
+            self._fail_now(request_id, NotFound(_not_loaded(model_id)))
+        self._training.submit(cleanup)
 
     async def retrieve(self, request_id: str, timeout: float) -> FutureRecord | None:
         """The finished future, or None if it is still pending after waiting up to `timeout` seconds."""

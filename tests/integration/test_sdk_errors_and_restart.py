@@ -112,3 +112,19 @@ def test_a_restart_keeps_sessions_runs_and_checkpoints(models_dir, tmp_path):
         np.testing.assert_allclose(computed[1:], expected[0], atol=1e-4)
     finally:
         second.stop()
+
+
+def test_closing_a_session_unloads_its_runs_but_keeps_their_checkpoints(server):
+    service = server.service_client()
+    tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=41).result()
+    data = [supervised_datum(tc.get_tokenizer(), SENTENCES[0])]
+    path = tc.save_state("kept").result().path
+    # What ServiceClient.close() sends; sent by hand so this client can still try its run afterwards.
+    session_id = tc.model_id.split(":train:")[0]
+    finished = httpx.post(f"{server.url}/api/v1/sessions/{session_id}/finish", headers={"X-API-Key": API_KEY},
+                          json={"reason": {"type": "success"}})
+    assert finished.status_code == 200
+    with pytest.raises(tinker.RequestFailedError, match="not loaded"):
+        tc.forward(data, "cross_entropy").result()
+    reopened = server.service_client().create_training_client_from_state(path).result()
+    assert forward_logprobs(reopened, data)[0].shape == (data[0].model_input.length,)

@@ -31,9 +31,18 @@ def _recording_work(log: list, name: str, delay: float = 0.0):
     return work
 
 
+async def _created_scheduler(store) -> Scheduler:
+    """A scheduler on which model s:train:0 has been created (its requests are accepted from then on)."""
+    scheduler = Scheduler(store)
+    created = await scheduler.submit_training(request_id="create", request_type="CreateModel", model_id="s:train:0",
+                                              seq_id=0, payload_hash="c", work=lambda: (b"", "text/plain"))
+    await scheduler.retrieve(created, timeout=10)
+    return scheduler
+
+
 def test_training_requests_run_in_seq_id_order_whatever_the_arrival_order(store):
     async def scenario():
-        scheduler = Scheduler(store)
+        scheduler = await _created_scheduler(store)
         log = []
         ids = {}
         for seq_id in (3, 2, 4, 1):
@@ -51,7 +60,7 @@ def test_training_requests_run_in_seq_id_order_whatever_the_arrival_order(store)
 
 def test_a_retry_gets_the_original_request_and_runs_once_while_a_changed_payload_conflicts(store):
     async def scenario():
-        scheduler = Scheduler(store)
+        scheduler = await _created_scheduler(store)
         log = []
         first = await scheduler.submit_training(request_id="a", request_type="OptimStep", model_id="s:train:0",
                                                 seq_id=1, payload_hash="h", work=_recording_work(log, "step"))
@@ -76,7 +85,7 @@ def test_a_failing_request_fails_its_future_and_the_next_one_still_runs(store):
         raise RuntimeError("boom")
 
     async def scenario():
-        scheduler = Scheduler(store)
+        scheduler = await _created_scheduler(store)
         log = []
         await scheduler.submit_training(request_id="r1", request_type="X", model_id="s:train:0", seq_id=1,
                                         payload_hash="1", work=bad)
@@ -102,7 +111,7 @@ def test_sampling_does_not_wait_behind_training(store):
         return b"trained", "text/plain"
 
     async def scenario():
-        scheduler = Scheduler(store)
+        scheduler = await _created_scheduler(store)
         training = await scheduler.submit_training(request_id="t", request_type="X", model_id="s:train:0",
                                                    seq_id=1, payload_hash="t", work=slow_training)
         sample = await scheduler.submit_sampling(request_id="smp", sampling_session_id="s:sample:0", seq_id=0,
@@ -116,3 +125,38 @@ def test_sampling_does_not_wait_behind_training(store):
 
     sampled, still_training, trained = asyncio.run(scenario())
     assert sampled.result == b"sampled" and still_training is None and trained.result == b"trained"
+
+
+def test_requests_of_a_model_not_created_since_start_fail_at_once_instead_of_waiting(store):
+    async def scenario():
+        scheduler = Scheduler(store)
+        request_id = await scheduler.submit_training(request_id="r5", request_type="X", model_id="s:train:0",
+                                                     seq_id=5, payload_hash="5", work=lambda: (b"", "text/plain"))
+        record = await scheduler.retrieve(request_id, timeout=10)
+        scheduler.close()
+        return record
+
+    record = asyncio.run(scenario())
+    assert record.status == "failed" and "not loaded" in record.error and record.error_category == "user"
+
+
+def test_retiring_a_model_fails_its_waiting_requests_and_cleans_up_after_its_running_work(store):
+    log = []
+
+    async def scenario():
+        scheduler = await _created_scheduler(store)
+        running = await scheduler.submit_training(request_id="r1", request_type="X", model_id="s:train:0", seq_id=1,
+                                                  payload_hash="1", work=_recording_work(log, "seq1", delay=0.2))
+        waiting = await scheduler.submit_training(request_id="r3", request_type="X", model_id="s:train:0", seq_id=3,
+                                                  payload_hash="3", work=_recording_work(log, "seq3"))
+        scheduler.retire_model("s:train:0", lambda: log.append("cleanup"))
+        later = await scheduler.submit_training(request_id="r2", request_type="X", model_id="s:train:0", seq_id=2,
+                                                payload_hash="2", work=_recording_work(log, "seq2"))
+        records = [await scheduler.retrieve(r, timeout=10) for r in (running, waiting, later)]
+        scheduler.close()
+        return records
+
+    running, waiting, later = asyncio.run(scenario())
+    assert running.status == "complete" and waiting.status == later.status == "failed"
+    assert "not loaded" in waiting.error and "not loaded" in later.error
+    assert log == ["seq1", "cleanup"]
