@@ -19,6 +19,10 @@ from server.api.deps import Services
 from server.config import ServerConfig
 from server.errors import Conflict, TinkerServerError
 from server.models.loading import load_base_model
+from server.models.vision_features import VisionEncoder
+from server.rendering.chunks import RenderContext
+from server.rendering.images import ImagePreparer
+from server.rendering.sampling import VLLMRenderer
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedSampler
 from server.scheduler.scheduler import Scheduler
@@ -38,10 +42,17 @@ def build_services(config: ServerConfig) -> Services:
     if abandoned:
         logger.warning("%d requests were pending at the last shutdown and are marked failed", abandoned)
     base = load_base_model(config.model)
-    trainer = Trainer(base, config.trainer)
-    sampler = EmbeddedSampler(base.model, base.tokenizer, device=config.model.device)
+    images = vision_encoder = None
+    if base.vision is not None:
+        images = ImagePreparer(base.vision.processor, config.images)
+        vision_encoder = VisionEncoder(base.model, config.images.feature_cache_bytes)
+    render_context = RenderContext.build(base, config.limits.max_sequence_length, images)
+    trainer = Trainer(base, config.trainer, vision_encoder)
+    sampler = EmbeddedSampler(base.model, base.tokenizer, device=config.model.device, vision=base.vision,
+                              vision_encoder=vision_encoder)
     return Services(config=config, store=store, scheduler=Scheduler(store), base=base, trainer=trainer,
-                    sampler=sampler, adapters=SamplerAdapters(config.sampler, config.model.device))
+                    sampler=sampler, adapters=SamplerAdapters(config.sampler, config.model.device),
+                    render_context=render_context, sampling_renderer=VLLMRenderer(render_context))
 
 
 async def _retention_loop(services: Services) -> None:

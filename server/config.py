@@ -69,6 +69,20 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class ImageConfig:
+    max_image_bytes: int = 20 * 1024 * 1024
+    """Largest encoded image (PNG/JPEG) accepted in a chunk."""
+    max_image_pixels: int = 40_000_000
+    """Largest decoded image (width x height): bigger ones are refused before decoding (decompression bombs)."""
+    image_root: Path | None = None
+    """Directory that image_asset_pointer chunks may read from; None refuses them."""
+    decoded_cache_bytes: int = 512 * 1024 * 1024
+    """Decoded, preprocessed images kept by content hash (least recently used ones are dropped)."""
+    feature_cache_bytes: int = 1024 * 1024 * 1024
+    """Vision-tower outputs kept by content hash, so a repeated image is encoded once."""
+
+
+@dataclass(frozen=True)
 class ClientFlagsConfig:
     """Feature flags sent to every SDK client through client/config."""
 
@@ -88,6 +102,7 @@ class ServerConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    images: ImageConfig = field(default_factory=ImageConfig)
     client: ClientFlagsConfig = field(default_factory=ClientFlagsConfig)
 
 
@@ -109,6 +124,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="dtype of the frozen base weights (LoRA weights and optimizer state stay float32)")
     parser.add_argument("--fwdbwd-chunk-len", type=int, default=None,
                         help="datums per forward_backward request that clients send (SDK default 1024)")
+    parser.add_argument("--image-root", type=Path, default=None,
+                        help="directory that image_asset_pointer chunks may name files in (default: refused)")
     return parser
 
 
@@ -123,4 +140,5 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                           model_cache_dir=data_dir / "models", device=args.device, dtype=args.dtype),
         store=StoreConfig(database_url=database_url, checkpoint_dir=data_dir / "checkpoints"),
         host=args.host, port=args.port, data_dir=data_dir,
+        images=ImageConfig(image_root=args.image_root.resolve() if args.image_root else None),
         client=ClientFlagsConfig(fwdbwd_max_chunk_len=args.fwdbwd_chunk_len))

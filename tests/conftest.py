@@ -15,6 +15,12 @@ import sqlalchemy as sa
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+
+@pytest.fixture(scope="session")
+def builtin_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache of built-in tiny models for the whole test run; each is built on first use."""
+    return tmp_path_factory.mktemp("builtin-models")
+
 # ---------------------------------------------------------------------------------------------
 # Databases: every store test runs on a SQLite file and on a real PostgreSQL server.
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 Routes stay thin: they validate, look things up here, and hand work to the scheduler.
 """
 
+import asyncio
 import hashlib
 import uuid
 from collections.abc import Callable
@@ -15,6 +16,8 @@ from pydantic import BaseModel
 from server.config import ServerConfig
 from server.errors import NotFound, PayloadTooLarge, TinkerServerError
 from server.models.loading import LoadedModel
+from server.rendering.chunks import RenderContext
+from server.rendering.sampling import VLLMRenderer
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedSampler
 from server.scheduler.scheduler import Scheduler, Work
@@ -39,6 +42,8 @@ class Services:
     trainer: Trainer
     sampler: EmbeddedSampler
     adapters: SamplerAdapters
+    render_context: RenderContext
+    sampling_renderer: VLLMRenderer
 
 
 def get_services(request: Request) -> Services:
@@ -98,12 +103,13 @@ async def submit_training_op(services: Services, *, model_id: str, seq_id: int |
                              body: bytes, prepare: Callable[[], Work]) -> str:
     """Validate (via `prepare`) and submit one training-side request in its model's seq_id order.
 
-    An invalid request still uses up its seq_id (as a failed future), so the model's later
-    requests are not left waiting for it; the caller then gets the 4xx at once.
+    `prepare` runs on a worker thread, since rendering decodes images. An invalid request still
+    uses up its seq_id (as a failed future), so the model's later requests are not left waiting
+    for it; the caller then gets the 4xx at once.
     """
     digest = payload_hash(body)
     try:
-        work = prepare()
+        work = await asyncio.to_thread(prepare)
     except TinkerServerError as error:
         if seq_id is not None:
             await services.scheduler.submit_training(request_id=new_request_id(), request_type=request_type,

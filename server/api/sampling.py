@@ -1,5 +1,6 @@
 """Sampling: create_sampling_session, GET samplers/{id}, asample (which also serves compute_logprobs)."""
 
+import asyncio
 from pathlib import Path
 
 from fastapi import APIRouter, Request
@@ -17,8 +18,7 @@ from server.api.deps import (
 from server.api.models import check_base_model
 from server.api.weights import checkpoint_of
 from server.errors import InvalidRequest, NotFound, PayloadTooLarge
-from server.rendering.training import model_input_token_ids
-from server.sampling.embedded import PromptInput, SamplingOptions
+from server.sampling.embedded import SamplingOptions
 from server.store.store import SamplingSessionRecord
 from server.training.lora import LoraAdapter, use_adapter
 from server.wire.proto import SampledSequenceOut, encode_sample_response
@@ -112,22 +112,21 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
     if sample.topk_sample_logprobs or sample.prompt_alt_tokens_k or sample.target_prompt_logprobs is not None:
         raise InvalidRequest("topk_sample_logprobs, prompt_alt_tokens_k and target_prompt_logprobs are not "
                              "supported by this server yet")
-    input_ids = model_input_token_ids(sample.prompt, services.base.vocab_size,
-                                      services.config.limits.max_sequence_length, "prompt")
-    options = sampling_options(services, sample, len(input_ids))
+    prompt = await asyncio.to_thread(services.sampling_renderer.render, sample.prompt)
+    options = sampling_options(services, sample, prompt.num_positions)
     want_prompt_logprobs = sample.prompt_logprobs or sample.topk_prompt_logprobs > 0
 
     def work():
         adapter: LoraAdapter | None = resolve_adapter()
         with use_adapter(adapter):
-            output = services.sampler.sample(PromptInput(input_ids), options, num_samples=sample.num_samples,
+            output = services.sampler.sample(prompt, options, num_samples=sample.num_samples,
                                              include_prompt_logprobs=want_prompt_logprobs,
                                              topk_prompt_logprobs=sample.topk_prompt_logprobs)
         prompt_logprobs = output.prompt_logprobs if sample.prompt_logprobs else None
         topk = output.topk_prompt_logprobs if sample.topk_prompt_logprobs else None
         if sample.prompt_logprobs_last_n is not None:
             # Positions before the last n are reported as "no value" (NaN on the wire).
-            first = max(0, len(input_ids) - sample.prompt_logprobs_last_n)
+            first = max(0, prompt.num_positions - sample.prompt_logprobs_last_n)
             prompt_logprobs = prompt_logprobs and [None] * first + prompt_logprobs[first:]
             topk = topk and [None] * first + topk[first:]
         sequences = [SampledSequenceOut(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason)

@@ -27,8 +27,7 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
         if not fwdbwd.data:
             raise InvalidRequest("forward_backward needs at least one datum")
         spec, _ = resolve_loss(fwdbwd.loss_fn, fwdbwd.loss_fn_config)
-        examples = [render_training_datum(datum, index, vocab_size=services.base.vocab_size,
-                                          max_length=limits.max_sequence_length, required_inputs=spec.inputs)
+        examples = [render_training_datum(datum, index, services.render_context, spec.inputs)
                     for index, datum in enumerate(fwdbwd.data)]
 
         def work():

@@ -12,10 +12,22 @@ import torch
 import transformers
 
 from server.config import BUILTIN_PREFIX, ModelConfig
-from server.models.registry import ModelFamily, family_for
+from server.models.image_processor import ImageProcessorSpec
+from server.models.registry import ModelFamily, VisionSpec, family_for
 from server.models.tiny import ensure_builtin_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@dataclass(frozen=True)
+class LoadedVision:
+    """What rendering needs to put images into this checkpoint's sequences."""
+
+    spec: VisionSpec
+    processor: ImageProcessorSpec
+    image_token_id: int
+    reserved_token_ids: frozenset[int]
+    """The image pad and the other media placeholders: never accepted inside a client's text."""
 
 
 @dataclass
@@ -29,6 +41,8 @@ class LoadedModel:
     vocab_size: int
     """Rows of the embedding matrix: token ids must be below this."""
     eos_token_ids: tuple[int, ...]
+    vision: LoadedVision | None
+    """None for a text-only model."""
 
 
 def resolve_model_dir(config: ModelConfig) -> Path:
@@ -60,4 +74,17 @@ def load_base_model(config: ModelConfig) -> LoadedModel:
     eos = model.generation_config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else (tokenizer.eos_token_id,))
     return LoadedModel(name=config.base_model, path=path, family=family, model=model, tokenizer=tokenizer,
-                       vocab_size=model.get_input_embeddings().num_embeddings, eos_token_ids=eos_ids)
+                       vocab_size=model.get_input_embeddings().num_embeddings, eos_token_ids=eos_ids,
+                       vision=_load_vision(family.vision, path, hf_config, tokenizer))
+
+
+def _load_vision(spec: VisionSpec | None, path: Path, hf_config, tokenizer) -> LoadedVision | None:
+    if spec is None:
+        return None
+    image_token_id = tokenizer.convert_tokens_to_ids(spec.image_token)
+    if image_token_id != hf_config.image_token_id:
+        raise ValueError(f"the tokenizer's {spec.image_token} is {image_token_id} but config.json says "
+                         f"image_token_id {hf_config.image_token_id}")
+    reserved = {image_token_id, *(tokenizer.convert_tokens_to_ids(t) for t in spec.reserved_tokens)}
+    return LoadedVision(spec=spec, processor=ImageProcessorSpec.from_model_dir(path), image_token_id=image_token_id,
+                        reserved_token_ids=frozenset(reserved))

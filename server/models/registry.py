@@ -1,14 +1,38 @@
 """Model families as data: one `ModelFamily` entry per HF `model_type` the server can train and sample.
 
 Adding a family means adding an entry here, not editing the pipeline. The entry says which HF
-auto class loads it, where its language model's linear layers live (LoRA targets) and whether it
-takes images. Nothing here loads weights.
+auto class loads it, where its language model's linear layers live (LoRA targets) and, for
+vision-language families, how images enter the sequence: the special tokens around and inside an
+image and how rope positions are built. Sizes (patch, merge, min/max pixels) are not here: they
+are read from each checkpoint's own preprocessor_config.json. Nothing here loads weights.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
+
+from server.models.positions import Segment, mrope_position_ids
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """How a vision-language family puts images into its token sequence."""
+
+    image_token: str = "<|image_pad|>"
+    """Placeholder repeated once per image token; only image chunks may produce it."""
+    vision_start_token: str = "<|vision_start|>"
+    vision_end_token: str = "<|vision_end|>"
+    reserved_tokens: tuple[str, ...] = ("<|video_pad|>",)
+    """Other placeholders a client's text may not contain (the model would take them for media)."""
+    position_ids: Callable[[list[Segment], int], torch.Tensor] = mrope_position_ids
+    """Rope positions [3, L] of a sequence of text runs and image grids, given the merge size."""
+
+
+QWEN_VL = VisionSpec()
 
 
 @dataclass(frozen=True)
@@ -24,11 +48,12 @@ class ModelFamily:
     attention_modules: tuple[str, ...] = ATTENTION_PROJECTIONS
     mlp_modules: tuple[str, ...] = MLP_PROJECTIONS
     unembed_module: str = "lm_head"
-    takes_images: bool = False
+    vision: VisionSpec | None = None
+    """None for text-only families."""
 
 
 _VISION = dict(auto_class="AutoModelForImageTextToText", language_model_prefix="model.language_model.layers.",
-               takes_images=True)
+               vision=QWEN_VL)
 _TEXT = dict(auto_class="AutoModelForCausalLM", language_model_prefix="model.layers.")
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in [

@@ -1,41 +1,31 @@
 """Training renderer: a Tinker datum (chunk list + loss_fn_inputs) -> the trainer's input.
 
-Text chunks are concatenated into input ids and checked against the vocabulary and the length
-limit. Image chunks are refused with a clear error until the vision pipeline lands; this is the
-one place they will be expanded into pad tokens and vision tensors.
+The client sends <|vision_start|>, the image chunk and <|vision_end|> as separate chunks and never
+sends pad tokens: each image chunk becomes exactly as many image pads as the image has tokens
+(the expanded view, whose positions the client's target_tokens and weights count), with the
+image's pixel values and the family's rope positions. The loss inputs are checked against that
+rendered length. Knows nothing about the model's weights or how the trainer batches.
 """
 
 from dataclasses import dataclass, field
 
 import torch
 
-from server.errors import InvalidRequest, PayloadTooLarge
-from server.wire.types import Datum, EncodedTextChunk, ModelInput
+from server.errors import InvalidRequest
+from server.rendering.chunks import RenderContext, position_ids, render_model_input
+from server.rendering.images import PreparedImage
+from server.wire.types import Datum
 
 
 @dataclass
 class TrainingExample:
     input_ids: list[int]
+    """The expanded sequence: one image pad per image token."""
     loss_fn_inputs: dict[str, torch.Tensor]
-    model_kwargs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Extra model inputs of this datum (vision tensors), empty for text."""
-
-
-def model_input_token_ids(model_input: ModelInput, vocab_size: int, max_length: int, where: str) -> list[int]:
-    """Concatenate the text chunks of a ModelInput, validating every token id and the length."""
-    input_ids: list[int] = []
-    for chunk in model_input.chunks:
-        if not isinstance(chunk, EncodedTextChunk):
-            raise InvalidRequest(f"{where}: {chunk.type} chunks are not supported by this server yet")
-        input_ids.extend(chunk.tokens)
-    if not input_ids:
-        raise InvalidRequest(f"{where}: the model input is empty")
-    bad = next((t for t in input_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"{where}: token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if len(input_ids) > max_length:
-        raise PayloadTooLarge(f"{where}: {len(input_ids)} tokens is over the limit of {max_length}")
-    return input_ids
+    images: list[PreparedImage] = field(default_factory=list)
+    """The datum's images in sequence order; empty for text."""
+    position_ids: torch.Tensor | None = None
+    """int64 [3, L] multimodal rope positions when the datum has images, else None (plain positions)."""
 
 
 def check_loss_fn_inputs(index: int, num_positions: int, given: dict[str, torch.Tensor],
@@ -68,9 +58,13 @@ def check_loss_fn_inputs(index: int, num_positions: int, given: dict[str, torch.
     return inputs
 
 
-def render_training_datum(datum: Datum, index: int, *, vocab_size: int, max_length: int,
+def render_training_datum(datum: Datum, index: int, context: RenderContext,
                           required_inputs: tuple[str, ...]) -> TrainingExample:
     """One datum as the trainer consumes it, with its loss inputs checked against its rendered length."""
-    input_ids = model_input_token_ids(datum.model_input, vocab_size, max_length, f"datum {index}")
-    loss_fn_inputs = check_loss_fn_inputs(index, len(input_ids), datum.loss_fn_inputs, required_inputs, vocab_size)
-    return TrainingExample(input_ids=input_ids, loss_fn_inputs=loss_fn_inputs)
+    rendered = render_model_input(datum.model_input, context, f"datum {index}")
+    input_ids = rendered.expanded_token_ids()
+    loss_fn_inputs = check_loss_fn_inputs(index, len(input_ids), datum.loss_fn_inputs, required_inputs,
+                                          context.vocab_size)
+    positions = position_ids(rendered, context.vision) if rendered.images else None
+    return TrainingExample(input_ids=input_ids, loss_fn_inputs=loss_fn_inputs, images=rendered.images,
+                           position_ids=positions)

@@ -1,17 +1,21 @@
 """The embedded sampling engine: HF transformers with a KV cache, on CPU or GPU.
 
 It serves `sample` and `compute_logprobs` when vLLM is absent: prefill the prompt once, copy the
-cache into one row per sample, decode all rows together. It knows nothing about HTTP, the wire
-format, LoRA or rendering: the caller hands it prompt ids (plus prefill-only model kwargs such as
-pixel values) and a model already set to the right adapter.
+cache into one row per sample, decode all rows together. Like vLLM it takes the sampling
+renderer's collapsed prompt (one image pad per image, plus the images) and expands the pads
+itself, with image features from the shared vision cache and the family's rope positions. It
+knows nothing about HTTP, the wire format or LoRA: the caller sets the model to the right adapter.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from server.errors import InvalidRequest
+from server.models.loading import LoadedVision
+from server.models.vision_features import VisionEncoder
+from server.rendering.chunks import RenderedInput, position_ids
 
 # Tensor shape suffixes:
 #   L  prompt positions            N  samples asked for (num_samples)
@@ -55,20 +59,6 @@ class SamplingOptions:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-@dataclass(frozen=True)
-class PromptInput:
-    """One rendered prompt: token ids, plus model kwargs that only the prefill takes."""
-
-    input_ids: list[int]
-    prefill_kwargs: dict[str, torch.Tensor] = field(default_factory=dict)
-    """E.g. pixel_values, image_grid_thw. `position_ids` ([1, L], or M-RoPE [3, 1, L]) also steers
-    decoding: every decode step continues from their maximum + 1, as HF's rope_deltas and vLLM do."""
-
-    def __post_init__(self):
-        if not self.input_ids:
-            raise InvalidRequest("the prompt is empty")
-
-
 @dataclass
 class SampledSequence:
     """One completion."""
@@ -94,17 +84,20 @@ class SampleOutput:
 class EmbeddedSampler:
     """Samples from an HF causal LM with a DynamicCache; one instance may serve many threads."""
 
-    def __init__(self, model, tokenizer, *, device: torch.device | str = "cpu"):
+    def __init__(self, model, tokenizer, *, device: torch.device | str = "cpu", vision: LoadedVision | None = None,
+                 vision_encoder: VisionEncoder | None = None):
         # Per-call state lives in locals and the call's own cache, never here or on the model,
         # because a training thread may run the same modules meanwhile.
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device)
+        self.vision = vision
+        self.vision_encoder = vision_encoder
 
     @torch.no_grad()
     def sample(
         self,
-        prompt: PromptInput,
+        prompt: RenderedInput,
         options: SamplingOptions,
         *,
         num_samples: int = 1,
@@ -115,8 +108,12 @@ class EmbeddedSampler:
         if num_samples < 1:
             raise InvalidRequest(f"num_samples must be at least 1, got {num_samples}")
         score_prompt = include_prompt_logprobs or topk_prompt_logprobs > 0
-        prefill_kwargs = {name: value.to(self.device) for name, value in prompt.prefill_kwargs.items()}
-        input_ids_1L = torch.tensor([prompt.input_ids], dtype=torch.long, device=self.device)
+        prefill_kwargs = {}
+        if prompt.images:
+            # M-RoPE positions also steer decoding: every step continues from their maximum + 1.
+            prefill_kwargs["mm_encoder_outputs"] = self.vision_encoder.encoder_outputs(prompt.images)
+            prefill_kwargs["position_ids"] = position_ids(prompt, self.vision)[:, None, :].to(self.device)
+        input_ids_1L = torch.tensor([prompt.expanded_token_ids()], dtype=torch.long, device=self.device)
         cache = DynamicCache(config=self.model.config)
         logits_1LV = self.model(
             input_ids=input_ids_1L,
@@ -133,8 +130,7 @@ class EmbeddedSampler:
         next_logits_1V = logits_1LV[:, -1].float()
         del logits_1LV
 
-        position_ids = prefill_kwargs.get("position_ids")
-        sequences = self._decode(cache, next_logits_1V, options, num_samples, position_ids)
+        sequences = self._decode(cache, next_logits_1V, options, num_samples, prefill_kwargs.get("position_ids"))
         return SampleOutput(
             sequences=sequences,
             prompt_logprobs=prompt_logprobs if include_prompt_logprobs else None,

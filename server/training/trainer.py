@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from server.config import TrainerConfig
 from server.errors import InvalidRequest, NotFound
 from server.models.loading import LoadedModel
+from server.models.vision_features import VisionEncoder
 from server.rendering.training import TrainingExample
 from server.training import checkpoint_io
 from server.training.lora import LoraAdapter, LoraTarget, apply_lora_wrappers, select_targets, use_adapter
@@ -52,9 +53,10 @@ def _new_optimizer(adapter: LoraAdapter) -> torch.optim.AdamW:
 
 
 class Trainer:
-    def __init__(self, base: LoadedModel, config: TrainerConfig):
+    def __init__(self, base: LoadedModel, config: TrainerConfig, vision: VisionEncoder | None = None):
         self.base = base
         self.config = config
+        self.vision = vision
         self.device = next(base.model.parameters()).device
         self.targets: list[LoraTarget] = apply_lora_wrappers(base.model, base.family)
         self.models: dict[str, TrainableModel] = {}
@@ -132,9 +134,21 @@ class Trainer:
         for row, example in enumerate(examples):
             input_ids_BT[row, :len(example.input_ids)] = torch.tensor(example.input_ids)
             attention_mask_BT[row, :len(example.input_ids)] = 1
+        vision_kwargs = {}
+        images = [image for example in examples for image in example.images]
+        if images:
+            # Image features come from the cache (the vision tower is frozen); every row gets explicit
+            # multimodal rope positions, text-only rows the plain ones on all three axes.
+            vision_kwargs["mm_encoder_outputs"] = self.vision.encoder_outputs(images)
+            position_ids_3BT = torch.zeros(3, len(examples), longest, dtype=torch.long)
+            for row, example in enumerate(examples):
+                length = len(example.input_ids)
+                position_ids_3BT[:, row, :length] = (example.position_ids if example.position_ids is not None
+                                                     else torch.arange(length))
+            vision_kwargs["position_ids"] = position_ids_3BT.to(self.device)
         backbone = self.base.model.model
         out = backbone(input_ids=input_ids_BT.to(self.device), attention_mask=attention_mask_BT.to(self.device),
-                       use_cache=False)
+                       use_cache=False, **vision_kwargs)
         return out.last_hidden_state
 
     def _target_logprobs(self, hidden_ND: torch.Tensor, targets: torch.Tensor, adapter: LoraAdapter) -> torch.Tensor:

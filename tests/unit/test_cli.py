@@ -20,6 +20,7 @@ CLI_OPTIONS = {
     "--device",
     "--dtype",
     "--fwdbwd-chunk-len",
+    "--image-root",
 }
 DATABASE_URL_ENV = "TINKER_SERVER_DATABASE_URL"
 

@@ -5,12 +5,14 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from server.sampling.embedded import EmbeddedSampler, PromptInput, SamplingOptions
+from server.rendering.chunks import RenderedInput
+from server.sampling.embedded import EmbeddedSampler, SamplingOptions
 
 # Tensor shape suffixes: T = prompt plus completion positions, V = vocabulary.
 
 VOCAB_SIZE = 300
 PROMPT = [5, 17, 42, 99, 3, 250, 7, 64]
+TEXT_PROMPT = RenderedInput(token_ids=PROMPT, images=[], image_token_id=None)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,7 @@ def full_forward_logprobs(model, token_ids: list[int]) -> torch.Tensor:
 
 
 def test_greedy_output_equals_hf_generate_without_sampling(model, sampler):
-    out = sampler.sample(PromptInput(PROMPT), SamplingOptions(max_tokens=12, temperature=0.0))
+    out = sampler.sample(TEXT_PROMPT, SamplingOptions(max_tokens=12, temperature=0.0))
     generated = model.generate(
         torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
     )
@@ -58,7 +60,7 @@ def test_greedy_output_equals_hf_generate_without_sampling(model, sampler):
 
 def test_sampled_token_logprobs_equal_a_full_forward_log_softmax(model, sampler):
     options = SamplingOptions(max_tokens=10, temperature=0.8, top_k=50, top_p=0.9, seed=3)
-    for sequence in sampler.sample(PromptInput(PROMPT), options, num_samples=3).sequences:
+    for sequence in sampler.sample(TEXT_PROMPT, options, num_samples=3).sequences:
         logprobs_TV = full_forward_logprobs(model, PROMPT + sequence.tokens)
         positions = torch.arange(len(PROMPT) - 1, len(PROMPT) - 1 + len(sequence.tokens))
         expected = logprobs_TV[positions, torch.tensor(sequence.tokens)]
@@ -67,7 +69,7 @@ def test_sampled_token_logprobs_equal_a_full_forward_log_softmax(model, sampler)
 
 def test_prompt_logprobs_equal_a_plain_forward_with_none_at_position_zero(model, sampler):
     # compute_logprobs arrives as this exact request.
-    out = sampler.sample(PromptInput(PROMPT), SamplingOptions(max_tokens=1), include_prompt_logprobs=True)
+    out = sampler.sample(TEXT_PROMPT, SamplingOptions(max_tokens=1), include_prompt_logprobs=True)
     logprobs_TV = full_forward_logprobs(model, PROMPT)
     expected = logprobs_TV[torch.arange(len(PROMPT) - 1), torch.tensor(PROMPT[1:])]
     assert out.prompt_logprobs[0] is None
@@ -79,7 +81,7 @@ def test_prompt_logprobs_equal_a_plain_forward_with_none_at_position_zero(model,
 
 def test_topk_prompt_logprobs_are_sorted_and_hold_the_actual_token_when_in_the_top_k(model, sampler):
     k = 40
-    out = sampler.sample(PromptInput(PROMPT), SamplingOptions(max_tokens=1), topk_prompt_logprobs=k)
+    out = sampler.sample(TEXT_PROMPT, SamplingOptions(max_tokens=1), topk_prompt_logprobs=k)
     assert out.prompt_logprobs is None
     assert out.topk_prompt_logprobs[0] is None
     logprobs_TV = full_forward_logprobs(model, PROMPT)
@@ -97,30 +99,30 @@ def test_topk_prompt_logprobs_are_sorted_and_hold_the_actual_token_when_in_the_t
 def test_a_fixed_seed_repeats_exactly_and_a_different_seed_differs(sampler):
     def sample(seed):
         options = SamplingOptions(max_tokens=16, seed=seed)
-        return [s.tokens for s in sampler.sample(PromptInput(PROMPT), options, num_samples=2).sequences]
+        return [s.tokens for s in sampler.sample(TEXT_PROMPT, options, num_samples=2).sequences]
 
     assert sample(7) == sample(7)
     assert sample(7) != sample(8)
 
 
 def test_rows_of_one_request_differ_at_temperature_one(sampler):
-    out = sampler.sample(PromptInput(PROMPT), SamplingOptions(max_tokens=16, seed=0), num_samples=4)
+    out = sampler.sample(TEXT_PROMPT, SamplingOptions(max_tokens=16, seed=0), num_samples=4)
     assert len({tuple(s.tokens) for s in out.sequences}) == 4
 
 
 def test_top_k_of_one_or_a_tiny_top_p_equals_greedy_whatever_the_seed(sampler):
-    greedy = sampler.sample(PromptInput(PROMPT), SamplingOptions(max_tokens=12, temperature=0.0))
+    greedy = sampler.sample(TEXT_PROMPT, SamplingOptions(max_tokens=12, temperature=0.0))
     narrow = (SamplingOptions(max_tokens=12, top_k=1, seed=1), SamplingOptions(max_tokens=12, top_p=1e-6))
     for options in narrow:
-        out = sampler.sample(PromptInput(PROMPT), options, num_samples=3)
+        out = sampler.sample(TEXT_PROMPT, options, num_samples=3)
         assert all(s.tokens == greedy.sequences[0].tokens for s in out.sequences)
 
 
 def test_a_stop_token_ends_each_row_where_it_first_appears_and_is_the_last_token(sampler):
-    free = sampler.sample(PromptInput(PROMPT), SamplingOptions(max_tokens=20, seed=5), num_samples=4)
+    free = sampler.sample(TEXT_PROMPT, SamplingOptions(max_tokens=20, seed=5), num_samples=4)
     stop_token = free.sequences[0].tokens[3]
     options = SamplingOptions(max_tokens=20, seed=5, stop_token_ids=(stop_token,))
-    stopped = sampler.sample(PromptInput(PROMPT), options, num_samples=4)
+    stopped = sampler.sample(TEXT_PROMPT, options, num_samples=4)
     # A row's draws do not depend on when the other rows stop: each row is a prefix of its free run.
     for free_row, row in zip(free.sequences, stopped.sequences):
         if stop_token in free_row.tokens:
@@ -132,31 +134,23 @@ def test_a_stop_token_ends_each_row_where_it_first_appears_and_is_the_last_token
 
 
 def test_a_stop_string_ends_the_sequence_right_after_the_token_that_completes_it(sampler, tokenizer):
-    free = sampler.sample(PromptInput(PROMPT), SamplingOptions(max_tokens=20, seed=11)).sequences[0]
+    free = sampler.sample(TEXT_PROMPT, SamplingOptions(max_tokens=20, seed=11)).sequences[0]
     stop = tokenizer.decode(free.tokens[4:6])  # spans two tokens
     end = next(i for i in range(1, len(free.tokens) + 1) if stop in tokenizer.decode(free.tokens[:i]))
     options = SamplingOptions(max_tokens=20, seed=11, stop_strings=(stop,))
-    row = sampler.sample(PromptInput(PROMPT), options).sequences[0]
+    row = sampler.sample(TEXT_PROMPT, options).sequences[0]
     assert row.stop_reason == "stop"
     assert row.tokens == free.tokens[:end]
     assert stop in tokenizer.decode(row.tokens) and stop not in tokenizer.decode(row.tokens[:-1])
 
 
 def test_max_tokens_gives_length_with_exactly_max_tokens_tokens(sampler):
-    out = sampler.sample(PromptInput(PROMPT), SamplingOptions(max_tokens=7, seed=2), num_samples=2)
+    out = sampler.sample(TEXT_PROMPT, SamplingOptions(max_tokens=7, seed=2), num_samples=2)
     for sequence in out.sequences:
         assert sequence.stop_reason == "length"
         assert len(sequence.tokens) == len(sequence.logprobs) == 7
 
 
 def test_num_samples_returns_that_many_sequences(sampler):
-    out = sampler.sample(PromptInput(PROMPT), SamplingOptions(max_tokens=3, seed=4), num_samples=5)
+    out = sampler.sample(TEXT_PROMPT, SamplingOptions(max_tokens=3, seed=4), num_samples=5)
     assert len(out.sequences) == 5
-
-
-def test_explicit_prefill_position_ids_decode_like_implicit_ones(sampler):
-    position_ids = torch.arange(len(PROMPT))[None, :]
-    options = SamplingOptions(max_tokens=10, seed=9)
-    implicit = sampler.sample(PromptInput(PROMPT), options, num_samples=2)
-    explicit = sampler.sample(PromptInput(PROMPT, {"position_ids": position_ids}), options, num_samples=2)
-    assert [s.tokens for s in explicit.sequences] == [s.tokens for s in implicit.sequences]

@@ -1,0 +1,167 @@
+"""Images of a prompt: decode within limits, convert to RGB, resize and patchify as the model's processor does.
+
+Owns the one preprocessing that training and sampling share: `ImagePreparer.prepare(bytes)` gives a
+`PreparedImage` (resized RGB pixels, the patch grid, the number of image tokens and `pixel_values`),
+cached by content hash so an image repeated across a batch, across samples or across steps is
+decoded once. The arithmetic is the Qwen2-VL image processor's (smart_resize, patches, merge), read
+from the model's own preprocessor_config.json. Knows nothing about tokens, models or engines.
+
+Shapes: C = 3 colour channels, H/W = pixels after resizing, P = patches (grid_t * grid_h * grid_w).
+"""
+
+import hashlib
+import io
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, UnidentifiedImageError
+
+from server.config import ImageConfig
+from server.errors import InvalidRequest
+from server.models.image_processor import ImageProcessorSpec
+
+_DECODABLE_FORMATS = ["PNG", "JPEG"]
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """One decoded image, ready for the vision tower (pixel_values) or for vLLM (pixels)."""
+
+    sha256: str
+    """Hex digest of the encoded bytes: the key of every cache of this image."""
+    pixels: torch.Tensor
+    """uint8 [C, H, W], RGB, already resized to the processor's size (so resizing it again is a no-op)."""
+    grid_thw: tuple[int, int, int]
+    """Patch grid (temporal, height, width) before merging, as image_grid_thw holds it."""
+    num_tokens: int
+    """Image pad tokens of this image in the model's sequence."""
+    pixel_values: torch.Tensor
+    """float32 [P, C * temporal_patch * patch * patch] in the processor's patch order."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.pixels.numel() + self.pixel_values.numel() * 4
+
+    def png_bytes(self) -> bytes:
+        """The resized RGB pixels as a lossless PNG (what an external engine decodes back exactly)."""
+        buffer = io.BytesIO()
+        Image.fromarray(self.pixels.permute(1, 2, 0).numpy()).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+
+def decode_rgb(data: bytes, config: ImageConfig, where: str) -> np.ndarray:
+    """Decode PNG/JPEG bytes to uint8 RGB [H, W, C] within the byte and pixel limits.
+
+    Transparency is composited onto white (as the Qwen-VL processors do); 16-bit images are scaled
+    to 8 bits rather than clipped. EXIF orientation is ignored, as by the client's token count.
+    """
+    if len(data) > config.max_image_bytes:
+        raise InvalidRequest(f"{where}: image of {len(data)} bytes is over the limit of {config.max_image_bytes} "
+                             f"bytes (max_image_bytes)")
+    try:
+        image = Image.open(io.BytesIO(data), formats=_DECODABLE_FORMATS)
+    except Image.DecompressionBombError as error:  # PIL's own header check, for sizes far past ours
+        raise InvalidRequest(f"{where}: image is over the limit of {config.max_image_pixels} pixels "
+                             f"(max_image_pixels): {error}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as error:
+        raise InvalidRequest(f"{where}: image data could not be decoded as PNG or JPEG ({error})") from None
+    width, height = image.size  # read from the header: no pixel is decoded yet
+    if width * height > config.max_image_pixels:
+        raise InvalidRequest(f"{where}: image of {width}x{height} pixels is over the limit of "
+                             f"{config.max_image_pixels} pixels (max_image_pixels)")
+    if width == 0 or height == 0:
+        raise InvalidRequest(f"{where}: image has no pixels ({width}x{height})")
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError) as error:
+        raise InvalidRequest(f"{where}: image data could not be decoded ({error})") from None
+    return _to_rgb(image)
+
+
+def _to_rgb(image: Image.Image) -> np.ndarray:
+    if image.mode.startswith("I"):
+        # 16-bit grey (I;16*, or I from older decoders): keep the top 8 bits instead of PIL's clipping at 255.
+        values = np.clip(np.asarray(image, dtype=np.int64), 0, 0xFFFF)
+        return np.repeat((values >> 8).astype(np.uint8)[:, :, None], 3, axis=2)
+    if "A" in image.getbands() or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return np.array(Image.alpha_composite(background, rgba).convert("RGB"))
+    return np.array(image.convert("RGB"))
+
+
+def preprocess(rgb: np.ndarray, spec: ImageProcessorSpec, sha256: str) -> PreparedImage:
+    """Resize (bicubic, antialiased, in uint8 as the processor's torchvision backend does on CPU) and patchify."""
+    height, width = rgb.shape[:2]
+    resized_height, resized_width = spec.resized_size(height, width)
+    pixels = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)
+    if (resized_height, resized_width) != (height, width):
+        pixels = F.interpolate(pixels[None], size=(resized_height, resized_width), mode="bicubic",
+                               antialias=True, align_corners=False)[0]
+    pixels = pixels.contiguous()
+    # Rescale and normalise in one step, as the processor fuses them: (x - mean / r) / (std / r).
+    mean = torch.tensor(spec.image_mean, dtype=torch.float32) * (1.0 / spec.rescale_factor)
+    std = torch.tensor(spec.image_std, dtype=torch.float32) * (1.0 / spec.rescale_factor)
+    normalized_CHW = (pixels.float() - mean[:, None, None]) / std[:, None, None]
+    p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    grid_h, grid_w = resized_height // p, resized_width // p
+    # [C, gh/m, m, p, gw/m, m, p] -> [gh/m, gw/m, m, m, C, p, p]: merged 2x2 groups of patches are contiguous.
+    patches = normalized_CHW.reshape(3, grid_h // m, m, p, grid_w // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+    # A still image is its own temporal patch: each patch repeats `t` times along time.
+    patches = patches.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)
+    pixel_values = patches.reshape(grid_h * grid_w, 3 * t * p * p).contiguous()
+    return PreparedImage(sha256=sha256, pixels=pixels, grid_thw=(1, grid_h, grid_w),
+                         num_tokens=grid_h * grid_w // (m * m), pixel_values=pixel_values)
+
+
+class ImagePreparer:
+    """Decodes and preprocesses images once per content hash, in a byte-bounded LRU shared by all requests."""
+
+    def __init__(self, spec: ImageProcessorSpec, config: ImageConfig):
+        self.spec = spec
+        self.config = config
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, PreparedImage] = OrderedDict()
+        self._cached_bytes = 0
+
+    def prepare(self, data: bytes, where: str) -> PreparedImage:
+        """The prepared image of these encoded bytes (a 400 naming `where` if they are not a valid image)."""
+        sha256 = hashlib.sha256(data).hexdigest()
+        with self._lock:
+            image = self._cache.get(sha256)
+            if image is not None:
+                self._cache.move_to_end(sha256)
+                return image
+        image = preprocess(decode_rgb(data, self.config, where), self.spec, sha256)
+        with self._lock:
+            if sha256 not in self._cache:
+                self._cache[sha256] = image
+                self._cached_bytes += image.nbytes
+            while self._cached_bytes > self.config.decoded_cache_bytes and len(self._cache) > 1:
+                _, evicted = self._cache.popitem(last=False)
+                self._cached_bytes -= evicted.nbytes
+        return image
+
+    def read_asset(self, location: str, where: str) -> bytes:
+        """The bytes of an image_asset_pointer: a local file under the configured image root, nothing else."""
+        root = self.config.image_root
+        if root is None:
+            raise InvalidRequest(f"{where}: image_asset_pointer chunks are not enabled on this server (start it "
+                                 f"with --image-root DIR to serve images from a local directory)")
+        if "://" in location and not location.startswith("file://"):
+            raise InvalidRequest(f"{where}: image_asset_pointer location {location!r} is not a local file; only "
+                                 f"paths (or file:// URLs) under the server's image root are accepted")
+        path = Path(location.removeprefix("file://"))
+        resolved = (root / path).resolve() if not path.is_absolute() else path.resolve()
+        if not resolved.is_relative_to(root.resolve()):
+            raise InvalidRequest(f"{where}: image_asset_pointer {location!r} is outside the server's image root")
+        if not resolved.is_file():
+            raise InvalidRequest(f"{where}: image_asset_pointer {location!r} does not exist")
+        if resolved.stat().st_size > self.config.max_image_bytes:
+            raise InvalidRequest(f"{where}: image of {resolved.stat().st_size} bytes is over the limit of "
+                                 f"{self.config.max_image_bytes} bytes (max_image_bytes)")
+        return resolved.read_bytes()

@@ -1,0 +1,77 @@
+"""Image prompts built the way a Tinker client (the cookbook's renderers) builds them, with the real SDK.
+
+expected_tokens comes from transformers' own image processor loaded from the model directory the
+server reports (get_info's tokenizer_id), as the cookbook does: never from the server's code.
+"""
+
+import io
+
+import numpy as np
+import tinker
+from PIL import Image
+from tinker import types
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
+QUESTION = "What colour is this square?"
+
+
+class ImagePrompts:
+    """Chat-formatted image prompts and supervised datums for one training client's base model."""
+
+    def __init__(self, training_client: tinker.TrainingClient):
+        self.tokenizer = training_client.get_tokenizer()
+        self.processor = Qwen2VLImageProcessorPil.from_pretrained(training_client.get_info().model_data.tokenizer_id)
+
+    def ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def image_chunk(self, image: Image.Image, image_format: str = "png", expected_tokens: int | None = None):
+        buffer = io.BytesIO()
+        image.save(buffer, format=image_format.upper())
+        if expected_tokens is None:
+            patches = self.processor.get_number_of_image_patches(image.height, image.width, {})
+            expected_tokens = patches // self.processor.merge_size ** 2
+        return types.ImageChunk(data=buffer.getvalue(), format=image_format, expected_tokens=expected_tokens)
+
+    def user_turn(self, images: list[Image.Image], text: str) -> list:
+        """<|im_start|>user\\n, then <|vision_start|> IMAGE <|vision_end|> per image, the text, the header of the reply."""
+        chunks = [types.EncodedTextChunk(tokens=self.ids("<|im_start|>user\n"))]
+        for image in images:
+            chunks += [types.EncodedTextChunk(tokens=self.ids("<|vision_start|>")), self.image_chunk(image),
+                       types.EncodedTextChunk(tokens=self.ids("<|vision_end|>"))]
+        chunks.append(types.EncodedTextChunk(tokens=self.ids(f"{text}<|im_end|>\n<|im_start|>assistant\n")))
+        return chunks
+
+    def datum(self, prompt_chunks: list, answer: str) -> types.Datum:
+        """Supervised datum: weight 1 on the answer (+ <|im_end|>), 0 elsewhere; target 0 at image positions."""
+        answer_ids = self.ids(answer + "<|im_end|>")
+        tokens = []
+        for chunk in prompt_chunks:
+            tokens += chunk.tokens if isinstance(chunk, types.EncodedTextChunk) else [0] * chunk.expected_tokens
+        tokens += answer_ids
+        weights = [0.0] * (len(tokens) - len(answer_ids)) + [1.0] * len(answer_ids)
+        model_input = types.ModelInput(chunks=prompt_chunks + [types.EncodedTextChunk(tokens=answer_ids[:-1])])
+        return types.Datum(model_input=model_input,
+                           loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]})
+
+    def text_targets(self, datum: types.Datum) -> np.ndarray:
+        """True where the datum's target is a text token, False where it is an image position."""
+        is_text = []
+        for chunk in datum.model_input.chunks:
+            is_text += [isinstance(chunk, types.EncodedTextChunk)] * chunk.length
+        return np.array(is_text[1:] + [True])
+
+    def full_sequence(self, datum: types.Datum) -> types.ModelInput:
+        """The datum's input plus its last target: what compute_logprobs scores."""
+        last = int(datum.loss_fn_inputs["target_tokens"].tolist()[-1])
+        return datum.model_input.append_int(last)
+
+
+def square(colour: str, size: int, rng: np.random.Generator) -> Image.Image:
+    shade = np.clip(np.array(COLOURS[colour]) + rng.integers(-25, 26, 3), 0, 255)
+    return Image.new("RGB", (size, size), tuple(int(x) for x in shade))
+
+
+def noise(width: int, height: int, seed: int = 0) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
