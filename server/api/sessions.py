@@ -5,7 +5,7 @@ from functools import partial
 
 from fastapi import APIRouter, Query
 
-from server.api.deps import OwnerDep, ServicesDep, session_of
+from server.api.deps import OwnerDep, ServicesDep, session_of, string_map
 from server.errors import Gone
 from server.wire.types import (
     ClientConfigRequest,
@@ -36,9 +36,8 @@ async def client_config(body: ClientConfigRequest, services: ServicesDep) -> Cli
 async def create_session(body: CreateSessionRequest, services: ServicesDep, owner: OwnerDep) -> CreateSessionResponse:
     """Open an SDK session."""
     session_id = str(uuid.uuid4())
-    metadata = {str(k): str(v) for k, v in (body.user_metadata or {}).items()}
-    services.store.create_session(session_id, tags=body.tags, user_metadata=metadata, sdk_version=body.sdk_version,
-                                  display_name=body.display_name, owner=owner)
+    services.store.create_session(session_id, tags=body.tags, user_metadata=string_map(body.user_metadata),
+                                  sdk_version=body.sdk_version, display_name=body.display_name, owner=owner)
     return CreateSessionResponse(session_id=session_id)
 
 
