@@ -51,8 +51,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(data_dir: Path, database_url: str, models_dir: Path, *extra_args: str) -> LiveServer:
-    """Start `python -m server` and wait until it answers healthz."""
+def start_server(data_dir: Path, database_url: str, models_dir: Path, *extra_args: str,
+                 base_model: str = BASE_MODEL) -> LiveServer:
+    """Start `python -m server` and wait until it answers healthz (extra_args go to its command line)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     models_link = data_dir / "models"
     if not models_link.exists():
@@ -61,7 +62,7 @@ def start_server(data_dir: Path, database_url: str, models_dir: Path, *extra_arg
     log_path = data_dir / f"server-{port}.log"
     env = dict(os.environ, TINKER_TELEMETRY="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     process = subprocess.Popen(
-        [sys.executable, "-m", "server", "--base-model", BASE_MODEL, "--port", str(port),
+        [sys.executable, "-m", "server", "--base-model", base_model, "--port", str(port),
          "--data-dir", str(data_dir), "--database-url", database_url, *extra_args],
         cwd=REPO_ROOT, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     server = LiveServer(f"http://127.0.0.1:{port}", data_dir, database_url, process, log_path)
