@@ -63,6 +63,21 @@ async def _retention_loop(services: Services) -> None:
         await asyncio.to_thread(services.store.delete_finished_futures_older_than, seconds)
 
 
+async def _session_expiry_loop(services: Services) -> None:
+    """Take the runs of abandoned sessions out of memory; looks every quarter timeout (at most every minute)."""
+    timeout = services.config.limits.session_timeout_seconds
+    while True:
+        await asyncio.sleep(min(60.0, timeout / 4))
+        try:
+            expired = await sessions.expire_silent_sessions(services)
+        except Exception:
+            # A database hiccup must not end the loop: the next round tries again.
+            logger.exception("could not expire silent sessions")
+            continue
+        if expired:
+            logger.info("finished %d sessions silent for over %g s: %s", len(expired), timeout, ", ".join(expired))
+
+
 def _error_body(message: str, category: str) -> dict:
     # `detail` is what FastAPI clients expect; `error`/`category` mirror a failed future.
     return {"detail": message, "error": message, "category": category}
@@ -73,12 +88,14 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         services = await asyncio.to_thread(build_services, config)
         app.state.services = services
-        retention = asyncio.create_task(_retention_loop(services))
+        housekeeping = [asyncio.create_task(_retention_loop(services)),
+                        asyncio.create_task(_session_expiry_loop(services))]
         logger.info("serving %s from %s", services.base.name, services.base.path)
         try:
             yield
         finally:
-            retention.cancel()
+            for task in housekeeping:
+                task.cancel()
             services.scheduler.close()
             services.store.close()
 

@@ -66,6 +66,13 @@ class LimitsConfig:
     """Largest (decompressed) request body."""
     max_sample_tokens: int = 8192
     """Largest max_tokens a sampling request may ask for."""
+    session_timeout_seconds: float = 600.0
+    """A session without a heartbeat for this long is finished and its runs leave memory (the SDK
+    heartbeats every 10 s; a client that exits without closing its ServiceClient stops)."""
+
+    def __post_init__(self):
+        if self.session_timeout_seconds <= 0:
+            raise ValueError(f"session_timeout_seconds must be positive, got {self.session_timeout_seconds}")
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="datums per forward_backward request that clients send (SDK default 1024)")
     parser.add_argument("--image-root", type=Path, default=None,
                         help="directory that image_asset_pointer chunks may name files in (default: refused)")
+    parser.add_argument("--session-timeout", type=float, default=LimitsConfig.session_timeout_seconds,
+                        help="seconds without a heartbeat after which a session is finished and its runs unloaded")
     return parser
 
 
@@ -141,4 +150,5 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         store=StoreConfig(database_url=database_url, checkpoint_dir=data_dir / "checkpoints"),
         host=args.host, port=args.port, data_dir=data_dir,
         images=ImageConfig(image_root=args.image_root.resolve() if args.image_root else None),
+        limits=LimitsConfig(session_timeout_seconds=args.session_timeout),
         client=ClientFlagsConfig(fwdbwd_max_chunk_len=args.fwdbwd_chunk_len))

@@ -83,6 +83,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def string_map(metadata: dict | None) -> dict[str, str]:
+    """user_metadata as stored: the wire allows any JSON values, the journal keeps strings."""
+    return {str(key): str(value) for key, value in (metadata or {}).items()}
+
+
 def session_of(store: Store, session_id: str, owner: str) -> SessionRecord:
     """The caller's session, or 404 (another tenant's session is not found either)."""
     session = store.get_session(session_id)

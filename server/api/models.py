@@ -9,6 +9,7 @@ from server.api.deps import (
     read_body,
     run_of,
     session_of,
+    string_map,
     submit_training_op,
 )
 from server.errors import InvalidRequest
@@ -41,6 +42,11 @@ def check_base_model(services, base_model: str | None) -> None:
                              f"{services.base.name!r}")
 
 
+def check_optimizer(config: OptimizerConfig | None) -> None:
+    if config is not None and config.type != "adamw":
+        raise InvalidRequest(f"optimizer {config.type!r} is not supported; use adamw")
+
+
 @router.post("/create_model")
 async def create_model(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
     """Start a LoRA training run on the served base model."""
@@ -48,8 +54,7 @@ async def create_model(request: Request, services: ServicesDep, owner: OwnerDep)
     create = CreateModelRequest.model_validate_json(body)
     session_of(services.store, create.session_id, owner)
     check_base_model(services, create.base_model)
-    if create.optimizer_config.type != "adamw":
-        raise InvalidRequest(f"optimizer {create.optimizer_config.type!r} is not supported; use adamw")
+    check_optimizer(create.optimizer_config)
     model_id = model_id_for(create.session_id, create.model_seq_id)
     lora = create.lora_config
 
@@ -59,7 +64,7 @@ async def create_model(request: Request, services: ServicesDep, owner: OwnerDep)
             model_id=model_id, session_id=create.session_id, owner=owner, base_model=services.base.name,
             model_seq_id=create.model_seq_id, lora_rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
             train_attn=lora.train_attn, train_unembed=lora.train_unembed,
-            user_metadata={str(k): str(v) for k, v in (create.user_metadata or {}).items()}))
+            user_metadata=string_map(create.user_metadata)))
         return json_result(CreateModelResponse(model_id=model_id))
 
     request_id = await submit_training_op(services, model_id=model_id, seq_id=CREATION_SEQ_ID,

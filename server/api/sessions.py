@@ -1,11 +1,12 @@
 """Client bootstrap and session lifecycle: client/config, sessions, heartbeats, finish, telemetry."""
 
+import asyncio
 import uuid
 from functools import partial
 
 from fastapi import APIRouter, Query
 
-from server.api.deps import OwnerDep, ServicesDep, session_of
+from server.api.deps import OwnerDep, Services, ServicesDep, session_of, string_map
 from server.errors import Gone
 from server.wire.types import (
     ClientConfigRequest,
@@ -36,9 +37,8 @@ async def client_config(body: ClientConfigRequest, services: ServicesDep) -> Cli
 async def create_session(body: CreateSessionRequest, services: ServicesDep, owner: OwnerDep) -> CreateSessionResponse:
     """Open an SDK session."""
     session_id = str(uuid.uuid4())
-    metadata = {str(k): str(v) for k, v in (body.user_metadata or {}).items()}
-    services.store.create_session(session_id, tags=body.tags, user_metadata=metadata, sdk_version=body.sdk_version,
-                                  display_name=body.display_name, owner=owner)
+    services.store.create_session(session_id, tags=body.tags, user_metadata=string_map(body.user_metadata),
+                                  sdk_version=body.sdk_version, display_name=body.display_name, owner=owner)
     return CreateSessionResponse(session_id=session_id)
 
 
@@ -58,12 +58,28 @@ async def finish_session(session_id: str, body: FinishSessionRequest, services: 
     """Close a session (ServiceClient.close): its runs leave memory; runs and checkpoints stay listed."""
     session_of(services.store, session_id, owner)
     services.store.finish_session(session_id, body.reason.type)
-    for model_id in services.store.list_training_run_ids(session_id):
-        services.scheduler.retire_model(model_id, partial(_unload, services, model_id))
+    _retire_runs(services, services.store.list_training_run_ids(session_id))
     return {}
 
 
-def _unload(services, model_id: str) -> None:
+async def expire_silent_sessions(services: Services) -> list[str]:
+    """Finish the sessions whose client stopped heartbeating without closing them (it exited, as the
+    cookbook's DPO recipe does, or crashed); their runs leave memory as on finish. Returns their ids."""
+    store = services.store
+    silent = await asyncio.to_thread(store.silent_session_ids, services.config.limits.session_timeout_seconds)
+    expired = [session_id for session_id in silent
+               if await asyncio.to_thread(store.finish_session, session_id, "expired")]
+    for session_id in expired:
+        _retire_runs(services, await asyncio.to_thread(store.list_training_run_ids, session_id))
+    return expired
+
+
+def _retire_runs(services: Services, model_ids: list[str]) -> None:
+    for model_id in model_ids:
+        services.scheduler.retire_model(model_id, partial(_unload, services, model_id))
+
+
+def _unload(services: Services, model_id: str) -> None:
     services.trainer.unload(model_id)
     services.adapters.forget_run(model_id)
 

@@ -13,9 +13,10 @@ from server.api.deps import (
     read_body,
     run_of,
     session_of,
+    string_map,
     submit_training_op,
 )
-from server.api.models import check_base_model, model_id_for
+from server.api.models import check_base_model, check_optimizer, model_id_for
 from server.errors import InvalidRequest, NotFound
 from server.scheduler.scheduler import CREATION_SEQ_ID
 from server.store.checkpoints import TinkerPath, parse_tinker_path
@@ -142,6 +143,7 @@ async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep)
     else:
         session_of(services.store, load.session_id, owner)
         check_base_model(services, load.base_model)
+        check_optimizer(load.optimizer_config)
         model_id, seq_id = model_id_for(load.session_id, load.model_seq_id), CREATION_SEQ_ID
 
         def prepare():
@@ -152,7 +154,8 @@ async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep)
                 services.store.create_training_run(TrainingRunRecord(
                     model_id=model_id, session_id=load.session_id, owner=owner, base_model=services.base.name,
                     model_seq_id=load.model_seq_id, lora_rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
-                    train_attn=lora.train_attn, train_unembed=lora.train_unembed))
+                    train_attn=lora.train_attn, train_unembed=lora.train_unembed,
+                    user_metadata=string_map(load.user_metadata)))
                 return json_result(LoadWeightsResponse(path=load.path, model_id=model_id))
 
             return work

@@ -183,6 +183,14 @@ class Store:
         with self._transaction() as db:
             return db.execute(statement).rowcount == 1
 
+    def silent_session_ids(self, seconds: float) -> list[str]:
+        """Unfinished sessions whose last heartbeat is more than `seconds` old."""
+        cutoff = utcnow() - timedelta(seconds=seconds)
+        statement = sa.select(SessionRow.session_id).where(SessionRow.finished_at.is_(None),
+                                                          SessionRow.last_heartbeat_at < cutoff)
+        with self._transaction() as db:
+            return list(db.scalars(statement))
+
     def get_session(self, session_id: str) -> SessionRecord | None:
         """The session, or None."""
         with self._transaction() as db:

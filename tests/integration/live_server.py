@@ -53,7 +53,8 @@ def _free_port() -> int:
 
 def start_server(data_dir: Path, database_url: str, models_dir: Path, *extra_args: str,
                  base_model: str = BASE_MODEL) -> LiveServer:
-    """Start `python -m server` on `base_model` and wait until it answers healthz."""
+    """Start `python -m server` on `base_model` and wait until it answers healthz (extra_args go to its
+    command line)."""
     data_dir.mkdir(parents=True, exist_ok=True)
     models_link = data_dir / "models"
     if not models_link.exists():

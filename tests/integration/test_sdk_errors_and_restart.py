@@ -1,4 +1,7 @@
-"""Bad input gets a clear 4xx and loses nothing; a restart keeps sessions, runs and checkpoints."""
+"""Bad input gets a clear 4xx and loses nothing; a restart keeps sessions, runs and checkpoints;
+closed or silent sessions take their runs out of memory."""
+
+import time
 
 import httpx
 import numpy as np
@@ -128,3 +131,33 @@ def test_closing_a_session_unloads_its_runs_but_keeps_their_checkpoints(server):
         tc.forward(data, "cross_entropy").result()
     reopened = server.service_client().create_training_client_from_state(path).result()
     assert forward_logprobs(reopened, data)[0].shape == (data[0].model_input.length,)
+
+
+def test_a_session_that_stops_heartbeating_is_finished_and_its_runs_leave_memory(models_dir, tmp_path):
+    # Clients that exit without closing their ServiceClient (the cookbook's DPO recipe does) would
+    # otherwise keep their adapters and optimizer state in memory for good.
+    live = start_server(tmp_path / "data", f"sqlite:///{tmp_path}/journal.db", models_dir, "--session-timeout", "3")
+    try:
+        with httpx.Client(base_url=live.url, headers={"X-API-Key": API_KEY}, timeout=30) as http:
+            def create_session_and_run() -> tuple[str, str]:
+                session_id = http.post("/api/v1/create_session", json={}).json()["session_id"]
+                created = http.post("/api/v1/create_model", json={
+                    "session_id": session_id, "model_seq_id": 0, "base_model": BASE_MODEL, "lora_config": {"rank": 4}})
+                result = http.post("/api/v1/retrieve_future", json={"request_id": created.json()["request_id"]})
+                return session_id, result.json()["model_id"]
+
+            def optim_step(model_id: str) -> dict:
+                future = http.post("/api/v1/optim_step", json={"model_id": model_id, "seq_id": 1,
+                                                               "adam_params": {"learning_rate": 1e-3}})
+                return http.post("/api/v1/retrieve_future", json={"request_id": future.json()["request_id"]}).json()
+
+            (silent, silent_model), (beating, beating_model) = create_session_and_run(), create_session_and_run()
+            # Twice the timeout; the server looks every quarter timeout. Only one session heartbeats.
+            for _ in range(12):
+                assert http.post("/api/v1/session_heartbeat", json={"session_id": beating}).status_code == 200
+                time.sleep(0.5)
+            assert http.post("/api/v1/session_heartbeat", json={"session_id": silent}).status_code == 410
+            assert "not loaded" in optim_step(silent_model)["error"]
+            assert "error" not in optim_step(beating_model)
+    finally:
+        live.stop()

@@ -3,6 +3,7 @@ parameters, save/load/resume with the optimizer, PEFT-loadable sampler weights, 
 
 import numpy as np
 import pytest
+import tinker
 import torch
 from tinker import types
 
@@ -118,6 +119,20 @@ def test_save_state_and_load_with_optimizer_reproduce_logprobs_and_the_next_upda
     weights_only.forward_backward(data, "cross_entropy").result()
     weights_only.optim_step(ADAM).result()
     assert max(np.abs(a - b).max() for a, b in zip(expected_next, forward_logprobs(weights_only, data))) > 1e-4
+
+
+def test_a_run_created_from_a_checkpoint_keeps_its_user_metadata(service_client, trained):
+    # The cookbook reads renderer_name back from the run of a checkpoint; a resumed run must keep it.
+    tc, tokenizer, data = trained
+    path = tc.save_state("with-metadata").result().path
+    rest = service_client.create_rest_client()
+    for create in (service_client.create_training_client_from_state_with_optimizer,
+                   service_client.create_training_client_from_state):
+        resumed = create(path, user_metadata={"renderer_name": "qwen3"}).result()
+        later = resumed.save_state("later").result().path
+        assert rest.get_training_run_by_tinker_path(later).result().user_metadata == {"renderer_name": "qwen3"}
+    with pytest.raises(tinker.BadRequestError, match="optimizer 'dimuon' is not supported"):
+        service_client.create_training_client_from_state(path, optimizer=types.DimuonOptimizerConfig()).result()
 
 
 def test_sampler_checkpoints_load_in_peft(server, service_client, trained):

@@ -21,6 +21,7 @@ CLI_OPTIONS = {
     "--dtype",
     "--fwdbwd-chunk-len",
     "--image-root",
+    "--session-timeout",
 }
 DATABASE_URL_ENV = "TINKER_SERVER_DATABASE_URL"
 
@@ -69,12 +70,13 @@ def test_flags_reach_their_sub_configs(tmp_path, monkeypatch):
     monkeypatch.delenv(DATABASE_URL_ENV, raising=False)
     config = parse_config(["--base-model", "Qwen/Qwen3-VL-4B-Instruct", "--model-path", str(tmp_path / "model"),
                            "--host", "0.0.0.0", "--port", "9001", "--device", "cuda:1", "--dtype", "bfloat16",
-                           "--fwdbwd-chunk-len", "64"])
+                           "--fwdbwd-chunk-len", "64", "--session-timeout", "90"])
 
     assert config.model.model_path == tmp_path / "model"
     assert (config.host, config.port) == ("0.0.0.0", 9001)
     assert (config.model.device, config.model.dtype) == ("cuda:1", "bfloat16")
     assert config.client.fwdbwd_max_chunk_len == 64
+    assert config.limits.session_timeout_seconds == 90
 
 
 def test_a_bad_dtype_is_rejected_by_the_cli_and_by_the_model_config(capsys, tmp_path):

@@ -83,6 +83,14 @@ def test_a_session_heartbeats_until_it_finishes_once(store: Store):
     assert finished.finish_reason == "client closed" and finished.finished_at.tzinfo == UTC
 
 
+def test_silent_sessions_are_the_unfinished_ones_without_a_recent_heartbeat(store: Store):
+    for session_id in ["beating", "silent", "closed"]:
+        make_session(store, session_id)
+    store.finish_session("closed", "success")
+    assert sorted(store.silent_session_ids(0)) == ["beating", "silent"]
+    assert store.silent_session_ids(3600) == []
+
+
 def test_unknown_sessions_are_none_and_cannot_heartbeat_or_finish(store: Store):
     assert store.get_session("nope") is None
     assert not store.heartbeat_session("nope")
