@@ -214,26 +214,9 @@ def vision_server(vision_workdir: Path, models_dir: Path, tmp_path_factory: pyte
     live.stop()
 
 
-# PENDING IMAGES: the server answers image chunks with this 400 until the vision pipeline lands.
-IMAGES_REFUSED = "image chunks are not supported by this server yet"
-
-
-def run_vision_recipe(server: LiveServer, workdir: Path, module: str, *args: str) -> str:
-    """run_recipe, but an expected failure while the server refuses images (and only for that reason).
-
-    To enable the test for good once images work, call run_recipe directly and delete this helper.
-    """
-    try:
-        return run_recipe(server, workdir, module, *args)
-    except AssertionError as failure:
-        if IMAGES_REFUSED in str(failure):
-            pytest.xfail(f"pending image support: {module} got '{IMAGES_REFUSED}'")
-        raise
-
-
 def test_vlm_classifier_trains_on_caltech101_and_its_eval_cli_scores_the_checkpoint(vision_server, vision_workdir):
     experiments = vision_workdir / "runs" / "vlm_classifier"
-    run_vision_recipe(vision_server, vision_workdir, "vlm_classifier.train", f"experiment_dir={experiments}",
+    run_recipe(vision_server, vision_workdir, "vlm_classifier.train", f"experiment_dir={experiments}",
                       "dataset=caltech101", f"model_name={VISION_MODEL}", "renderer_name=qwen3_vl_instruct",
                       "batch_size=4", "num_epochs=2", "learning_rate=1e-3", "lora_rank=8", "save_every=4",
                       "eval_every=4", "n_eval=8", "max_tokens=16", "behavior_if_log_dir_exists=delete",
@@ -247,7 +230,7 @@ def test_vlm_classifier_trains_on_caltech101_and_its_eval_cli_scores_the_checkpo
     assert evals and all(0.0 <= row["accuracy"] <= 1.0 and "test/nll" in row for row in evals)
 
     final = read_jsonl(log / "checkpoints.jsonl")[-1]["sampler_path"]
-    output = run_vision_recipe(vision_server, vision_workdir, "vlm_classifier.eval", "dataset=caltech101",
+    output = run_recipe(vision_server, vision_workdir, "vlm_classifier.eval", "dataset=caltech101",
                                f"model_path={final}", "n_eval=8", "max_tokens=16", f"base_url={vision_server.url}")
     metrics = ast.literal_eval(output.split("Metrics = ", 1)[1].splitlines()[0])
     assert 0.0 <= metrics["accuracy"] <= 1.0
