@@ -17,7 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
-def builtin_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One cache of built-in tiny models for the whole test run; each is built on first use."""
     return tmp_path_factory.mktemp("builtin-models")
 

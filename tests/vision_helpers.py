@@ -15,8 +15,8 @@ VISION_MODELS = ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2.5-vl", "builtin:ti
 MAX_LENGTH = 4096
 
 
-def load(name: str, builtin_models) -> LoadedModel:
-    return load_base_model(ModelConfig(base_model=name, model_path=None, model_cache_dir=builtin_models))
+def load(name: str, models_dir) -> LoadedModel:
+    return load_base_model(ModelConfig(base_model=name, model_path=None, model_cache_dir=models_dir))
 
 
 def context_for(base: LoadedModel, config: ImageConfig = ImageConfig(), max_length: int = MAX_LENGTH) -> RenderContext:

@@ -1,6 +1,6 @@
 """Fixtures of the SDK suite: one live server per database backend, shared by the tests.
 
-Every server of a test run shares one built-in model cache, so the tiny model is built once.
+Every server of a test run shares the run's built-in model cache, so each tiny model is built once.
 """
 
 import uuid
@@ -14,11 +14,6 @@ import tinker
 from psycopg import sql
 
 from live_server import LiveServer, start_server
-
-
-@pytest.fixture(scope="session")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("models")
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgresql"])

@@ -36,7 +36,7 @@ def _files(path: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
 
 
-def test_builtin_models_build_deterministically(cache_dir, tmp_path):
+def test_models_dir_build_deterministically(cache_dir, tmp_path):
     for name, family in BUILTIN_FAMILIES.items():
         rebuilt = build_tiny_model(family, tmp_path / name)
         assert _files(rebuilt) == _files(cache_dir / name), name

@@ -8,15 +8,15 @@ from vision_helpers import VISION_MODELS, load
 
 
 @pytest.fixture(scope="session", params=VISION_MODELS)
-def vision_base(request, builtin_models) -> LoadedModel:
-    return load(request.param, builtin_models)
+def vision_base(request, models_dir) -> LoadedModel:
+    return load(request.param, models_dir)
 
 
 @pytest.fixture(scope="session")
-def qwen2_vl(builtin_models) -> LoadedModel:
-    return load("builtin:tiny-qwen2-vl", builtin_models)
+def qwen2_vl(models_dir) -> LoadedModel:
+    return load("builtin:tiny-qwen2-vl", models_dir)
 
 
 @pytest.fixture(scope="session")
-def text_base(builtin_models) -> LoadedModel:
-    return load("builtin:tiny-qwen3", builtin_models)
+def text_base(models_dir) -> LoadedModel:
+    return load("builtin:tiny-qwen3", models_dir)

@@ -14,8 +14,8 @@ from vision_helpers import context_for, encode, load, noise_image
 
 
 @pytest.fixture(scope="module", params=["builtin:tiny-qwen2-vl", "builtin:tiny-qwen3-vl"])
-def setup(request, builtin_models):
-    base = load(request.param, builtin_models)
+def setup(request, models_dir):
+    base = load(request.param, models_dir)
     context = context_for(base, ImageConfig())
     encoder = VisionEncoder(base.model, 1 << 28)
     sampler = EmbeddedSampler(base.model, base.tokenizer, vision=base.vision, vision_encoder=encoder)

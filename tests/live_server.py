@@ -16,7 +16,7 @@ import httpx
 import pytest
 import tinker
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 BASE_MODEL = "builtin:tiny-qwen3"
 API_KEY = "tml-integration-tests"
 STARTUP_SECONDS = 120
