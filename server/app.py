@@ -7,6 +7,7 @@ request validation errors) into a 4xx/5xx with a body that says what is wrong.
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 
 from fastapi import FastAPI, Request
@@ -27,7 +28,10 @@ from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedSampler
 from server.scheduler.scheduler import Scheduler
 from server.store.store import Store
-from server.training.trainer import Trainer
+from server.training.lora import apply_lora_wrappers
+from server.training.parallel import free_port, init_training_group
+from server.training.trainer import build_trainer
+from server.training.workers import start_local_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +45,28 @@ def build_services(config: ServerConfig) -> Services:
     abandoned = store.fail_pending_futures("the server restarted before this request finished; send it again")
     if abandoned:
         logger.warning("%d requests were pending at the last shutdown and are marked failed", abandoned)
+    # Training ranks 1.. are processes of their own; this process is rank 0. The trainer's copy of the
+    # base model is sharded (FSDP2) and driven by the training thread alone, so sampling gets its own.
+    if config.trainer.master_port == 0:
+        config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, master_port=free_port()))
+    training_ranks = start_local_ranks(config)
+    trainer_config = config.trainer
+    group = init_training_group(0, trainer_config.world_size, config.model.device_type, trainer_config.master_addr,
+                                trainer_config.master_port)
+    trainer = build_trainer(config, group)
     base = load_base_model(config.model)
     images = vision_encoder = None
     if base.vision is not None:
         images = ImagePreparer(base.vision.processor, config.images)
         vision_encoder = VisionEncoder(base.model, config.images.feature_cache_bytes)
     render_context = RenderContext.build(base, config.limits.max_sequence_length, images)
-    trainer = Trainer(base, config.trainer, vision_encoder)
+    _, lora_slot = apply_lora_wrappers(base.model, base.family)
     sampler = EmbeddedSampler(base.model, base.tokenizer, device=config.model.device, vision=base.vision,
-                              vision_encoder=vision_encoder)
+                              vision_encoder=vision_encoder, lora_slot=lora_slot)
     return Services(config=config, store=store, scheduler=Scheduler(store), base=base, trainer=trainer,
-                    sampler=sampler, adapters=SamplerAdapters(config.sampler, config.model.device),
-                    render_context=render_context, sampling_renderer=VLLMRenderer(render_context))
+                    training_ranks=training_ranks, sampler=sampler,
+                    adapters=SamplerAdapters(config.sampler, config.model.device), render_context=render_context,
+                    sampling_renderer=VLLMRenderer(render_context))
 
 
 async def _retention_loop(services: Services) -> None:
@@ -97,6 +111,9 @@ def create_app(config: ServerConfig) -> FastAPI:
             for task in housekeeping:
                 task.cancel()
             services.scheduler.close()
+            services.trainer.stop_followers()
+            for process in services.training_ranks:
+                process.join(timeout=30)
             services.store.close()
 
     app = FastAPI(title="Tinker-compatible training service", lifespan=lifespan)

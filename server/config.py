@@ -33,6 +33,10 @@ class ModelConfig:
     device: str = "cpu"
     dtype: str = "float32"
 
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
@@ -46,6 +50,19 @@ class TrainerConfig:
     """Positions per lm_head chunk: full-vocabulary logits never exist for a whole batch."""
     lora_alpha: float = 32.0
     """LoRA scale numerator (scale = alpha / rank), reported in every saved adapter_config.json."""
+    local_ranks: int = 1
+    """Training processes on this node, one per GPU (the server's own process is rank 0)."""
+    world_size: int = 1
+    """Training ranks on all nodes (more than local_ranks when torchrun starts ranks on other nodes)."""
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    """Rendezvous of the training ranks; 0 picks a free port (single node)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block in backward instead of keeping its activations."""
+
+    def __post_init__(self):
+        if not 1 <= self.local_ranks <= self.world_size:
+            raise ValueError(f"need 1 <= local_ranks ({self.local_ranks}) <= world_size ({self.world_size})")
 
 
 @dataclass(frozen=True)
@@ -135,6 +152,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="directory that image_asset_pointer chunks may name files in (default: refused)")
     parser.add_argument("--session-timeout", type=float, default=LimitsConfig.session_timeout_seconds,
                         help="seconds without a heartbeat after which a session is finished and its runs unloaded")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="training processes on this node, one per GPU (with --device cpu: CPU processes)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each decoder block in backward (less memory, about a third more compute)")
     return parser
 
 
@@ -151,4 +172,14 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         host=args.host, port=args.port, data_dir=data_dir,
         images=ImageConfig(image_root=args.image_root.resolve() if args.image_root else None),
         limits=LimitsConfig(session_timeout_seconds=args.session_timeout),
+        trainer=TrainerConfig(local_ranks=args.gpus, activation_checkpointing=args.activation_checkpointing,
+                              # torchrun's variables when ranks on other nodes join (see the README)
+                              world_size=int(os.environ.get("WORLD_SIZE", args.gpus)),
+                              master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                              master_port=int(os.environ.get("MASTER_PORT", 0))),
         client=ClientFlagsConfig(fwdbwd_max_chunk_len=args.fwdbwd_chunk_len))
+
+
+def rank_from_environment() -> int:
+    """This process's training rank, as torchrun sets it."""
+    return int(os.environ["RANK"])

@@ -5,6 +5,7 @@ Routes stay thin: they validate, look things up here, and hand work to the sched
 
 import asyncio
 import hashlib
+import multiprocessing
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ class Services:
     scheduler: Scheduler
     base: LoadedModel
     trainer: Trainer
+    training_ranks: list[multiprocessing.Process]
+    """Training ranks 1.. of this node (the server's process is rank 0)."""
     sampler: EmbeddedSampler
     adapters: SamplerAdapters
     render_context: RenderContext

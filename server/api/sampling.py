@@ -20,7 +20,6 @@ from server.api.weights import checkpoint_of
 from server.errors import InvalidRequest, NotFound, PayloadTooLarge
 from server.sampling.embedded import SamplingOptions
 from server.store.store import SamplingSessionRecord
-from server.training.lora import LoraAdapter, use_adapter
 from server.wire.proto import SampledSequenceOut, encode_sample_response
 from server.wire.types import (
     CreateSamplingSessionRequest,
@@ -117,11 +116,9 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
     want_prompt_logprobs = sample.prompt_logprobs or sample.topk_prompt_logprobs > 0
 
     def work():
-        adapter: LoraAdapter | None = resolve_adapter()
-        with use_adapter(adapter):
-            output = services.sampler.sample(prompt, options, num_samples=sample.num_samples,
-                                             include_prompt_logprobs=want_prompt_logprobs,
-                                             topk_prompt_logprobs=sample.topk_prompt_logprobs)
+        output = services.sampler.sample(prompt, options, num_samples=sample.num_samples,
+                                         include_prompt_logprobs=want_prompt_logprobs,
+                                         topk_prompt_logprobs=sample.topk_prompt_logprobs, adapter=resolve_adapter())
         prompt_logprobs = output.prompt_logprobs if sample.prompt_logprobs else None
         topk = output.topk_prompt_logprobs if sample.topk_prompt_logprobs else None
         if sample.prompt_logprobs_last_n is not None:

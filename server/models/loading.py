@@ -62,14 +62,14 @@ def resolve_model_dir(config: ModelConfig) -> Path:
                          f"pass --model-path DIR") from exc
 
 
-def load_base_model(config: ModelConfig) -> LoadedModel:
-    """Load the frozen base model in `config.dtype` on `config.device`."""
+def load_base_model(config: ModelConfig, device: torch.device | str | None = None) -> LoadedModel:
+    """Load the frozen base model in `config.dtype` on `device` (default `config.device`)."""
     path = resolve_model_dir(config)
     hf_config = transformers.AutoConfig.from_pretrained(path)
     family = family_for(hf_config.model_type)
     auto_class = getattr(transformers, family.auto_class)
     model = auto_class.from_pretrained(path, dtype=getattr(torch, config.dtype), attn_implementation="sdpa")
-    model.to(config.device).eval().requires_grad_(False)
+    model.to(device if device is not None else config.device).eval().requires_grad_(False)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     eos = model.generation_config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else (tokenizer.eos_token_id,))

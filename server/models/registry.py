@@ -30,6 +30,8 @@ class VisionSpec:
     """Other placeholders a client's text may not contain (the model would take them for media)."""
     position_ids: Callable[[list[Segment], int], torch.Tensor] = mrope_position_ids
     """Rope positions [3, L] of a sequence of text runs and image grids, given the merge size."""
+    tower_module: str = "model.visual"
+    """Module path of the vision tower (frozen, never adapted, kept whole on every training rank)."""
 
 
 QWEN_VL = VisionSpec()

@@ -3,8 +3,8 @@
 It serves `sample` and `compute_logprobs` when vLLM is absent: prefill the prompt once, copy the
 cache into one row per sample, decode all rows together. Like vLLM it takes the sampling
 renderer's collapsed prompt (one image pad per image, plus the images) and expands the pads
-itself, with image features from the shared vision cache and the family's rope positions. It
-knows nothing about HTTP, the wire format or LoRA: the caller sets the model to the right adapter.
+itself, with image features from its vision cache and the family's rope positions, and the LoRA
+adapter each request names. It knows nothing about HTTP, the wire format or checkpoints.
 """
 
 from dataclasses import dataclass
@@ -16,6 +16,7 @@ from server.errors import InvalidRequest
 from server.models.loading import LoadedVision
 from server.models.vision_features import VisionEncoder
 from server.rendering.chunks import RenderedInput, position_ids
+from server.training.lora import AdapterSlot, LoraAdapter, use_adapter
 
 # Tensor shape suffixes:
 #   L  prompt positions            N  samples asked for (num_samples)
@@ -85,10 +86,11 @@ class EmbeddedSampler:
     """Samples from an HF causal LM with a DynamicCache; one instance may serve many threads."""
 
     def __init__(self, model, tokenizer, *, device: torch.device | str = "cpu", vision: LoadedVision | None = None,
-                 vision_encoder: VisionEncoder | None = None):
-        # Per-call state lives in locals and the call's own cache, never here or on the model,
-        # because a training thread may run the same modules meanwhile.
+                 vision_encoder: VisionEncoder | None = None, lora_slot: AdapterSlot | None = None):
+        # Per-call state lives in locals and the call's own cache, never here or on the model.
         self.model = model
+        self.lora_slot = lora_slot
+        """Where the model's LoRA wrappers read the adapter to add; None if the model has no wrappers."""
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.vision = vision
@@ -103,10 +105,18 @@ class EmbeddedSampler:
         num_samples: int = 1,
         include_prompt_logprobs: bool = False,
         topk_prompt_logprobs: int = 0,
+        adapter: LoraAdapter | None = None,
     ) -> SampleOutput:
-        """Sample `num_samples` completions of one prompt, with its logprobs when asked."""
+        """Sample `num_samples` completions of one prompt with `adapter` (None: the base model)."""
         if num_samples < 1:
             raise InvalidRequest(f"num_samples must be at least 1, got {num_samples}")
+        if adapter is None:
+            return self._sample(prompt, options, num_samples, include_prompt_logprobs, topk_prompt_logprobs)
+        with use_adapter(self.lora_slot, adapter):
+            return self._sample(prompt, options, num_samples, include_prompt_logprobs, topk_prompt_logprobs)
+
+    def _sample(self, prompt: RenderedInput, options: SamplingOptions, num_samples: int,
+                include_prompt_logprobs: bool, topk_prompt_logprobs: int) -> SampleOutput:
         score_prompt = include_prompt_logprobs or topk_prompt_logprobs > 0
         prefill_kwargs = {}
         if prompt.images:

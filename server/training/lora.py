@@ -1,15 +1,15 @@
 """LoRA adapters that many training runs share on one frozen base model.
 
 The base model's target linear layers are wrapped once (`apply_lora_wrappers`); each wrapper adds
-the delta of whichever adapter is active on the calling thread (`use_adapter`), so a training
-thread and a sampling thread can run different adapters through the same modules at once.
-Adapters are plain fp32 tensors keyed by module name, saved in the standard PEFT layout.
+the delta of whichever adapter its model's `AdapterSlot` holds (`use_adapter`). The slot belongs to
+the model, not to a thread, so activation checkpointing may recompute a layer on autograd's own
+thread. Adapters are plain fp32 tensors keyed by module name, saved in the standard PEFT layout;
+their delta is computed in the activations' dtype (bf16 on GPUs), with fp32 master weights.
 
 Shapes: lora_A is [rank, in_features], lora_B is [out_features, rank].
 """
 
 import math
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,8 +18,6 @@ import torch
 from torch import nn
 
 from server.models.registry import ModelFamily
-
-_active = threading.local()
 
 
 @dataclass(frozen=True)
@@ -32,22 +30,29 @@ class LoraTarget:
     out_features: int
 
 
-class LoraLinear(nn.Module):
-    """An nn.Linear plus the delta of the thread's active adapter, if it adapts this module."""
+class AdapterSlot:
+    """The adapter that the wrapped layers of one model currently add (None: the base model)."""
 
-    def __init__(self, base: nn.Linear, name: str):
+    def __init__(self):
+        self.adapter: LoraAdapter | None = None
+
+
+class LoraLinear(nn.Module):
+    """An nn.Linear plus the delta of its model's current adapter, if that adapter adapts this module."""
+
+    def __init__(self, base: nn.Linear, name: str, slot: AdapterSlot):
         super().__init__()
         self.base = base
         self.name = name
+        self.slot = slot
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        adapter: LoraAdapter | None = getattr(_active, "adapter", None)
+        adapter = self.slot.adapter
         if adapter is None or self.name not in adapter.lora_A:
             return y
-        lora_A, lora_B = adapter.lora_A[self.name], adapter.lora_B[self.name]
-        delta = (x.to(lora_A.dtype) @ lora_A.T) @ lora_B.T
-        return y + (delta * adapter.scale).to(y.dtype)
+        lora_A, lora_B = adapter.lora_A[self.name].to(x.dtype), adapter.lora_B[self.name].to(x.dtype)
+        return y + ((x @ lora_A.T) @ lora_B.T) * adapter.scale
 
 
 class LoraAdapter:
@@ -104,19 +109,23 @@ class LoraAdapter:
 
 
 @contextmanager
-def use_adapter(adapter: LoraAdapter | None) -> Iterator[None]:
-    """Run the enclosed model calls of this thread with `adapter` (None: the base model)."""
-    previous = getattr(_active, "adapter", None)
-    _active.adapter = adapter
+def use_adapter(slot: AdapterSlot, adapter: LoraAdapter | None) -> Iterator[None]:
+    """Run the enclosed calls of the slot's model with `adapter` (None: the base model)."""
+    previous = slot.adapter
+    slot.adapter = adapter
     try:
         yield
     finally:
-        _active.adapter = previous
+        slot.adapter = previous
 
 
-def apply_lora_wrappers(model: nn.Module, family: ModelFamily) -> list[LoraTarget]:
-    """Wrap every linear layer LoRA may target (decoder attention/MLP and the unembedding); return them."""
+def apply_lora_wrappers(model: nn.Module, family: ModelFamily) -> tuple[list[LoraTarget], AdapterSlot]:
+    """Wrap every linear layer LoRA may target (decoder attention/MLP and the unembedding).
+
+    Returns the targets and the slot through which callers choose the adapter these layers add.
+    """
     kinds = {**{m: "attn" for m in family.attention_modules}, **{m: "mlp" for m in family.mlp_modules}}
+    slot = AdapterSlot()
     targets = []
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
@@ -129,9 +138,9 @@ def apply_lora_wrappers(model: nn.Module, family: ModelFamily) -> list[LoraTarge
         else:
             continue
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        setattr(parent, leaf, LoraLinear(module, name))
+        setattr(parent, leaf, LoraLinear(module, name, slot))
         targets.append(LoraTarget(name, kind, module.in_features, module.out_features))
-    return targets
+    return targets, slot
 
 
 def select_targets(targets: list[LoraTarget], *, train_attn: bool, train_mlp: bool,

@@ -22,6 +22,8 @@ CLI_OPTIONS = {
     "--fwdbwd-chunk-len",
     "--image-root",
     "--session-timeout",
+    "--gpus",
+    "--activation-checkpointing",
 }
 DATABASE_URL_ENV = "TINKER_SERVER_DATABASE_URL"
 

@@ -1,8 +1,8 @@
 """The LoRA trainer on the built-in tiny Qwen3, against plain HF forwards, torch's AdamW and PEFT.
 
-Every reference here is computed outside the trainer: full unpadded forwards of the HF model with
-the adapter active, `torch.optim.AdamW` on copies of the adapter's tensors, and PEFT loading the
-saved sampler checkpoint.
+Every reference here is computed outside the trainer: full unpadded forwards of another, unsharded
+copy of the HF model with the adapter active, `torch.optim.AdamW` on copies of the adapter's
+tensors, and PEFT loading the saved sampler checkpoint. The trainer runs as a one-rank group.
 
 Shapes: N = positions of a datum, K = targets per position, V = vocabulary.
 """
@@ -19,10 +19,11 @@ from transformers import AutoModelForCausalLM
 
 from server.config import ModelConfig, TrainerConfig
 from server.errors import InvalidRequest
-from server.models.loading import load_base_model
+from server.models.loading import LoadedModel, load_base_model
 from server.models.tiny import ensure_builtin_model
 from server.rendering.training import TrainingExample
-from server.training.lora import LoraAdapter, use_adapter
+from server.training.lora import AdapterSlot, LoraAdapter, apply_lora_wrappers, use_adapter
+from server.training.parallel import free_port, init_training_group
 from server.training.trainer import Trainer
 from server.wire.types import AdamParams, LoraConfig
 
@@ -38,10 +39,20 @@ def model_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cache
 
 
+def load(model_cache_dir: Path) -> LoadedModel:
+    return load_base_model(ModelConfig(base_model=BASE_MODEL, model_path=None, model_cache_dir=model_cache_dir))
+
+
 def build_trainer(model_cache_dir: Path, config: TrainerConfig) -> Trainer:
-    """A trainer over its own copy of the base model (the trainer wraps the model's linear layers)."""
-    base = load_base_model(ModelConfig(base_model=BASE_MODEL, model_path=None, model_cache_dir=model_cache_dir))
-    return Trainer(base, config)
+    """A one-rank trainer over its own copy of the base model (it wraps and shards that copy)."""
+    return Trainer(load(model_cache_dir), config, init_training_group(0, 1, "cpu", "127.0.0.1", free_port()))
+
+
+@pytest.fixture(scope="module")
+def reference(model_cache_dir: Path) -> tuple[LoadedModel, AdapterSlot]:
+    """A plain copy of the base model with LoRA wrappers, for reference forwards."""
+    base = load(model_cache_dir)
+    return base, apply_lora_wrappers(base.model, base.family)[1]
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +97,13 @@ def sft_batch(seed: int, lengths: list[int], vocab_size: int, weights: str = "ra
     return batch
 
 
-def reference_logprobs(trainer: Trainer, adapter: LoraAdapter | None, example: TrainingExample) -> torch.Tensor:
+def reference_logprobs(reference, adapter: LoraAdapter | None, example: TrainingExample) -> torch.Tensor:
     """log p(target) from one unpadded full HF forward: logits -> log_softmax -> gather."""
+    base, slot = reference
     targets = example.loss_fn_inputs["target_tokens"]
     targets_NK = targets if targets.dim() == 2 else targets[:, None]
-    with use_adapter(adapter):
-        logits_NV = trainer.base.model(input_ids=torch.tensor([example.input_ids])).logits[0]
+    with use_adapter(slot, adapter):
+        logits_NV = base.model(input_ids=torch.tensor([example.input_ids])).logits[0]
     logprobs_NK = torch.log_softmax(logits_NV.float(), dim=-1).gather(-1, targets_NK)
     return logprobs_NK if targets.dim() == 2 else logprobs_NK[:, 0]
 
@@ -142,7 +154,8 @@ def train_step(trainer: Trainer, model_id: str, batch: list[TrainingExample], pa
 # -- forward_backward ------------------------------------------------------------------------------
 
 
-def test_cross_entropy_loss_logprobs_and_gradients_equal_unpadded_hf_forwards_for_a_mixed_length_batch(trainer):
+def test_cross_entropy_loss_logprobs_and_gradients_equal_unpadded_hf_forwards_for_a_mixed_length_batch(
+        trainer, reference):
     model_id = create_run(trainer)
     adapter = trainer.models[model_id].adapter
     batch = sft_batch(0, [9, 3, 14, 6], trainer.base.vocab_size)
@@ -151,7 +164,7 @@ def test_cross_entropy_loss_logprobs_and_gradients_equal_unpadded_hf_forwards_fo
 
     reference_loss = torch.zeros(())
     for example, output in zip(batch, result.outputs, strict=True):
-        expected = reference_logprobs(trainer, adapter, example)
+        expected = reference_logprobs(reference, adapter, example)
         weights = example.loss_fn_inputs["weights"]
         assert output["logprobs"].dtype == np.float32
         assert output["logprobs"].shape == (len(example.input_ids),)
@@ -164,11 +177,11 @@ def test_cross_entropy_loss_logprobs_and_gradients_equal_unpadded_hf_forwards_fo
     expected_grads = torch.autograd.grad(reference_loss, adapter.parameters())
     assert_all_close(gradients(trainer, model_id), list(expected_grads), rtol=1e-4, atol=1e-5)
     # The adapter really changes the model, so the comparisons above see its contribution.
-    base_logprobs = reference_logprobs(trainer, None, batch[0])
+    base_logprobs = reference_logprobs(reference, None, batch[0])
     assert (torch.from_numpy(result.outputs[0]["logprobs"]) - base_logprobs).abs().max() > 1e-3
 
 
-def test_top_k_cross_entropy_returns_logprobs_of_every_target_column(trainer):
+def test_top_k_cross_entropy_returns_logprobs_of_every_target_column(trainer, reference):
     model_id = create_run(trainer)
     generator = torch.Generator().manual_seed(5)
     num_positions, k = 7, 3
@@ -179,7 +192,7 @@ def test_top_k_cross_entropy_returns_logprobs_of_every_target_column(trainer):
 
     result = trainer.forward_backward(model_id, [example], "cross_entropy", None, forward_only=True)
 
-    expected_NK = reference_logprobs(trainer, trainer.models[model_id].adapter, example).detach()
+    expected_NK = reference_logprobs(reference, trainer.models[model_id].adapter, example).detach()
     assert result.outputs[0]["logprobs"].shape == (num_positions, k)
     torch.testing.assert_close(torch.from_numpy(result.outputs[0]["logprobs"]), expected_NK, rtol=0, atol=1e-5)
     assert result.metrics["loss:sum"] == pytest.approx(float(-(expected_NK * weights_NK).sum()), abs=1e-4)
@@ -189,8 +202,8 @@ def test_tiny_logprob_chunks_and_micro_batches_give_the_same_logprobs_and_gradie
         trainer, chunked_trainer):
     batch = sft_batch(1, [9, 3, 14, 6, 2], trainer.base.vocab_size)
     # The chunked trainer really splits this batch; the default one runs it as one micro-batch.
-    assert len(chunked_trainer._microbatches(batch)) > 1
-    assert len(trainer._microbatches(batch)) == 1
+    assert len(chunked_trainer._plan(batch)[0]) > 1
+    assert len(trainer._plan(batch)[0]) == 1
     default_id, chunked_id = create_run(trainer), create_run(chunked_trainer)
     assert_all_close(parameters(chunked_trainer, chunked_id), parameters(trainer, default_id), rtol=0, atol=0)
 
@@ -377,7 +390,7 @@ def test_the_seed_makes_initialisation_deterministic_and_different_seeds_differ(
         assert first.lora_A[name].abs().max() > 0
 
 
-def test_a_fresh_adapter_has_zero_b_and_gives_the_base_model_logprobs(trainer):
+def test_a_fresh_adapter_has_zero_b_and_gives_the_base_model_logprobs(trainer, reference):
     model_id = create_run(trainer, LoraConfig(rank=RANK, seed=3), perturb_seed=None)
     adapter = trainer.models[model_id].adapter
     batch = sft_batch(7, [10, 4], trainer.base.vocab_size)
@@ -387,7 +400,7 @@ def test_a_fresh_adapter_has_zero_b_and_gives_the_base_model_logprobs(trainer):
     assert all(torch.count_nonzero(b) == 0 for b in adapter.lora_B.values())
     for example, output in zip(batch, result.outputs, strict=True):
         with torch.no_grad():
-            expected = reference_logprobs(trainer, None, example)
+            expected = reference_logprobs(reference, None, example)
         torch.testing.assert_close(torch.from_numpy(output["logprobs"]), expected, rtol=0, atol=1e-5)
 
 
