@@ -19,16 +19,13 @@ from server.api import futures, models, rest, sampling, sessions, training, weig
 from server.api.deps import Services
 from server.config import ServerConfig
 from server.errors import Conflict, TinkerServerError
-from server.models.loading import load_base_model
-from server.models.vision_features import VisionEncoder
 from server.rendering.chunks import RenderContext
 from server.rendering.images import ImagePreparer
 from server.rendering.sampling import VLLMRenderer
 from server.sampling.adapters import SamplerAdapters
-from server.sampling.embedded import EmbeddedSampler
+from server.sampling.embedded import OnDemandSampler
 from server.scheduler.scheduler import Scheduler
 from server.store.store import Store
-from server.training.lora import apply_lora_wrappers
 from server.training.parallel import free_port, init_training_group
 from server.training.trainer import build_trainer
 from server.training.workers import start_local_ranks
@@ -54,15 +51,10 @@ def build_services(config: ServerConfig) -> Services:
     group = init_training_group(0, trainer_config.world_size, config.model.device_type, trainer_config.master_addr,
                                 trainer_config.master_port)
     trainer = build_trainer(config, group)
-    base = load_base_model(config.model)
-    images = vision_encoder = None
-    if base.vision is not None:
-        images = ImagePreparer(base.vision.processor, config.images)
-        vision_encoder = VisionEncoder(base.model, config.images.feature_cache_bytes)
+    base = trainer.base  # what requests need to know of the model: name, tokenizer, vocabulary, vision
+    images = ImagePreparer(base.vision.processor, config.images) if base.vision is not None else None
     render_context = RenderContext.build(base, config.limits.max_sequence_length, images)
-    _, lora_slot = apply_lora_wrappers(base.model, base.family)
-    sampler = EmbeddedSampler(base.model, base.tokenizer, device=config.model.device, vision=base.vision,
-                              vision_encoder=vision_encoder, lora_slot=lora_slot)
+    sampler = OnDemandSampler(config.model, config.images.feature_cache_bytes)
     return Services(config=config, store=store, scheduler=Scheduler(store), base=base, trainer=trainer,
                     training_ranks=training_ranks, sampler=sampler,
                     adapters=SamplerAdapters(config.sampler, config.model.device), render_context=render_context,

@@ -156,6 +156,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="training processes on this node, one per GPU (with --device cpu: CPU processes)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each decoder block in backward (less memory, about a third more compute)")
+    parser.add_argument("--microbatch-tokens", type=int, default=TrainerConfig.max_tokens_per_microbatch,
+                        help="padded tokens per forward/backward pass on each training rank")
     return parser
 
 
@@ -173,6 +175,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         images=ImageConfig(image_root=args.image_root.resolve() if args.image_root else None),
         limits=LimitsConfig(session_timeout_seconds=args.session_timeout),
         trainer=TrainerConfig(local_ranks=args.gpus, activation_checkpointing=args.activation_checkpointing,
+                              max_tokens_per_microbatch=args.microbatch_tokens,
                               # torchrun's variables when ranks on other nodes join (see the README)
                               world_size=int(os.environ.get("WORLD_SIZE", args.gpus)),
                               master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),

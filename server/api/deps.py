@@ -20,7 +20,7 @@ from server.models.loading import LoadedModel
 from server.rendering.chunks import RenderContext
 from server.rendering.sampling import VLLMRenderer
 from server.sampling.adapters import SamplerAdapters
-from server.sampling.embedded import EmbeddedSampler
+from server.sampling.embedded import OnDemandSampler
 from server.scheduler.scheduler import Scheduler, Work
 from server.store.store import SessionRecord, Store, TrainingRunRecord
 from server.training.trainer import Trainer
@@ -43,7 +43,7 @@ class Services:
     trainer: Trainer
     training_ranks: list[multiprocessing.Process]
     """Training ranks 1.. of this node (the server's process is rank 0)."""
-    sampler: EmbeddedSampler
+    sampler: OnDemandSampler
     adapters: SamplerAdapters
     render_context: RenderContext
     sampling_renderer: VLLMRenderer

@@ -7,16 +7,18 @@ itself, with image features from its vision cache and the family's rope position
 adapter each request names. It knows nothing about HTTP, the wire format or checkpoints.
 """
 
+import threading
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
+from server.config import ModelConfig
 from server.errors import InvalidRequest
-from server.models.loading import LoadedVision
+from server.models.loading import LoadedVision, load_base_model
 from server.models.vision_features import VisionEncoder
 from server.rendering.chunks import RenderedInput, position_ids
-from server.training.lora import AdapterSlot, LoraAdapter, use_adapter
+from server.training.lora import AdapterSlot, LoraAdapter, apply_lora_wrappers, use_adapter
 
 # Tensor shape suffixes:
 #   L  prompt positions            N  samples asked for (num_samples)
@@ -215,6 +217,34 @@ class EmbeddedSampler:
             return False
         text = self.tokenizer.decode(tokens[-window:], skip_special_tokens=False)
         return any(stop in text for stop in stop_strings)
+
+
+class OnDemandSampler:
+    """The embedded engine over its own copy of the base model, loaded on the first request.
+
+    Training shards its copy across ranks, so sampling cannot share it; a server whose clients never
+    sample through the embedded engine never spends the memory.
+    """
+
+    def __init__(self, config: ModelConfig, feature_cache_bytes: int):
+        self.config = config
+        self.feature_cache_bytes = feature_cache_bytes
+        self._engine: EmbeddedSampler | None = None
+        self._lock = threading.Lock()
+
+    def sample(self, *args, **kwargs) -> SampleOutput:
+        """EmbeddedSampler.sample, once the model is loaded."""
+        return self._loaded().sample(*args, **kwargs)
+
+    def _loaded(self) -> EmbeddedSampler:
+        with self._lock:
+            if self._engine is None:
+                base = load_base_model(self.config)
+                _, slot = apply_lora_wrappers(base.model, base.family)
+                encoder = VisionEncoder(base.model, self.feature_cache_bytes) if base.vision is not None else None
+                self._engine = EmbeddedSampler(base.model, base.tokenizer, device=self.config.device,
+                                               vision=base.vision, vision_encoder=encoder, lora_slot=slot)
+            return self._engine
 
 
 def _sample_tokens(

@@ -24,6 +24,7 @@ CLI_OPTIONS = {
     "--session-timeout",
     "--gpus",
     "--activation-checkpointing",
+    "--microbatch-tokens",
 }
 DATABASE_URL_ENV = "TINKER_SERVER_DATABASE_URL"
 

@@ -1,0 +1,360 @@
+"""Training throughput of the server's FSDP2 trainer, in-process and through the HTTP API, side by side.
+
+Qwen3-VL-4B- and 8B-shaped models with random weights built from a config (no hub), LoRA rank 32 on
+every linear layer of the language model, 32 sequences x 2048 tokens per step, one 448x448 image
+per sequence (or text only). For each shape and variant it runs (a) the training backend called
+in-process (the trainer the server builds, fed datums rendered exactly as the API renders them)
+and (b) the same steps through `python -m server` driven by the tinker SDK, and prints
+tokens/s/GPU, MFU, peak memory and the ratio (b)/(a).
+
+FLOPs per token (LoRA: forward, plus backward to the activations only; the frozen base gets no
+weight gradient): 4 x N_llm (every matmul parameter of the language model, the unembedding
+included) + 6 x L x H x T for causal attention (L layers, H = heads x head_dim, T = sequence
+length), + 2 x N_vision per image patch in the steps where the vision tower runs (image features
+are cached by content, so a repeated image is encoded once). LoRA's own matmuls are not counted.
+
+    python benchmarks/train_throughput.py --shapes 4b --variants image,text --gpus 1
+"""
+
+import argparse
+import gc
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from PIL import Image
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from server.config import ImageConfig, ModelConfig, ServerConfig, StoreConfig, TrainerConfig  # noqa: E402
+from server.models.image_processor import ImageProcessorSpec  # noqa: E402
+from server.models.tiny import build_tiny_model  # noqa: E402
+from server.rendering.chunks import RenderContext  # noqa: E402
+from server.rendering.images import ImagePreparer  # noqa: E402
+from server.rendering.training import render_training_datum  # noqa: E402
+from server.training.parallel import free_port, init_training_group  # noqa: E402
+from server.training.trainer import build_trainer  # noqa: E402
+from server.training.workers import start_local_ranks  # noqa: E402
+from server.wire.types import AdamParams, Datum, EncodedTextChunk, ImageChunk, LoraConfig, ModelInput  # noqa: E402
+
+SHAPES = {
+    # Qwen3-VL-4B-Instruct and -8B-Instruct: language model and vision tower sizes.
+    "4b": dict(text=dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936),
+               vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560,
+                           deepstack_visual_indexes=[5, 11, 17], num_position_embeddings=2304),
+               tie_word_embeddings=True),
+    "8b": dict(text=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936),
+               vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                           deepstack_visual_indexes=[8, 16, 24], num_position_embeddings=2304),
+               tie_word_embeddings=False),
+    # For trying the script on a CPU: the same structure, tiny.
+    "tiny": dict(text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=64, vocab_size=4096),
+                 vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                             deepstack_visual_indexes=[0], num_position_embeddings=64),
+                 tie_word_embeddings=True),
+}
+BASE_NAME = "bench/Qwen3-VL-{shape}"
+API_KEY = "tml-benchmark"
+ADAM = AdamParams(learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="4b", help="comma-separated: 4b, 8b, tiny")
+    parser.add_argument("--variants", default="image,text", help="comma-separated: image, text")
+    parser.add_argument("--modes", default="inprocess,api", help="comma-separated: inprocess, api")
+    parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--sequences", type=int, default=32)
+    parser.add_argument("--sequence-length", type=int, default=2048)
+    parser.add_argument("--image-size", type=int, default=448)
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (image features get cached)")
+    parser.add_argument("--microbatch-tokens", type=int, default=TrainerConfig.max_tokens_per_microbatch)
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100 SXM)")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/train-throughput"))
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one in-process step")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return parser.parse_args()
+
+
+# -- model and data ------------------------------------------------------------------------------------
+
+
+def write_model(shape: str, out: Path, device: str) -> Path:
+    """A Qwen3-VL-shaped model directory: the built-in tokenizer and processor files, random weights."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    if (out / "model.safetensors.index.json").exists() or (out / "model.safetensors").exists():
+        return out
+    build_tiny_model("qwen3-vl", out)  # tokenizer, chat template, preprocessor config (Qwen3-VL's own)
+    tiny = json.loads((out / "config.json").read_text())
+    spec = SHAPES[shape]
+    text = dict(tiny["text_config"], **spec["text"])
+    vision = dict(tiny["vision_config"], **spec["vision"])
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=spec["tie_word_embeddings"],
+                           **{k: tiny[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                   "vision_end_token_id")})
+    with torch.device(device):
+        model = Qwen3VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    return out
+
+
+def flops_per_token(shape: str, sequence_length: int) -> float:
+    text = SHAPES[shape]["text"]
+    hidden, layers = text["hidden_size"], text["num_hidden_layers"]
+    attention = text["num_attention_heads"] * text["head_dim"]
+    kv = text["num_key_value_heads"] * text["head_dim"]
+    per_layer = hidden * (attention + 2 * kv) + attention * hidden + 3 * hidden * text["intermediate_size"]
+    matmul_params = layers * per_layer + hidden * text["vocab_size"]  # + the unembedding
+    return 4 * matmul_params + 6 * layers * attention * sequence_length
+
+
+def vision_flops_per_image(shape: str, image_size: int) -> float:
+    vision = SHAPES[shape]["vision"]
+    width, patches = vision["hidden_size"], (image_size // 16) ** 2
+    per_block = 4 * width * width + 2 * width * vision["intermediate_size"]
+    return 2 * patches * vision["depth"] * per_block
+
+
+def smooth_image(size: int, seed: int) -> bytes:
+    """A photo-like JPEG: upsampled coarse noise (random noise would not compress like a real picture)."""
+    coarse = np.random.default_rng(seed).integers(0, 256, (size // 32, size // 32, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(coarse).resize((size, size), Image.BICUBIC).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def build_datums(args, shape: str, variant: str, image_tokens: int, vision_start: int,
+                 vision_end: int) -> list[Datum]:
+    """Fixed-length sequences of random text ids (never a special token), an image after the first 64."""
+    rng = np.random.default_rng(0)
+    # The tokenizer's own tokens (special ones included) are below 1000; the rest of the vocabulary is plain.
+    vocab = SHAPES[shape]["text"]["vocab_size"]
+    data = []
+    for index in range(args.sequences):
+        length = args.sequence_length
+        if variant == "image":
+            before = rng.integers(1000, vocab, 64).tolist() + [vision_start]
+            after = [vision_end] + rng.integers(1000, vocab, length - 64 - 2 - image_tokens).tolist()
+            chunks = [EncodedTextChunk(tokens=before),
+                      ImageChunk(data=smooth_image(args.image_size, seed=index), format="jpeg",
+                                 expected_tokens=image_tokens),
+                      EncodedTextChunk(tokens=after)]
+            weights = [1.0] * len(before) + [0.0] * image_tokens + [1.0] * len(after)
+        else:
+            chunks = [EncodedTextChunk(tokens=rng.integers(1000, vocab, length).tolist())]
+            weights = [1.0] * length
+        targets = rng.integers(1000, vocab, length).tolist()
+        data.append(Datum(model_input=ModelInput(chunks=chunks),
+                          loss_fn_inputs={"target_tokens": torch.tensor(targets), "weights": torch.tensor(weights)}))
+    return data
+
+
+# -- (a) in-process ------------------------------------------------------------------------------------
+
+
+def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str, dict]:
+    config = ServerConfig(
+        model=ModelConfig(base_model=BASE_NAME.format(shape=shape), model_path=model_dir,
+                          model_cache_dir=args.work_dir / "models", device=args.device, dtype=args.dtype),
+        store=StoreConfig(database_url="sqlite://", checkpoint_dir=args.work_dir / "checkpoints"),
+        trainer=TrainerConfig(local_ranks=args.gpus, world_size=args.gpus, master_port=free_port(),
+                              max_tokens_per_microbatch=args.microbatch_tokens,
+                              activation_checkpointing=args.activation_checkpointing))
+    ranks = start_local_ranks(config)
+    group = init_training_group(0, args.gpus, config.model.device_type, "127.0.0.1", config.trainer.master_port)
+    trainer = build_trainer(config, group)
+    base = trainer.base
+    preparer = ImagePreparer(base.vision.processor, ImageConfig())
+    context = RenderContext.build(base, 1 << 20, preparer)
+    image_tokens = base.vision.processor.num_tokens(args.image_size, args.image_size)
+    token = base.tokenizer.convert_tokens_to_ids
+    results = {}
+    try:
+        for variant in variants:
+            data = build_datums(args, shape, variant, image_tokens, token("<|vision_start|>"), token("<|vision_end|>"))
+            model_id = f"bench-{variant}"
+            trainer.create_model(model_id, LoraConfig(rank=args.rank, seed=0))
+
+            def step():
+                examples = [render_training_datum(datum, index, context, ("weights",))
+                            for index, datum in enumerate(data)]
+                trainer.forward_backward(model_id, examples, "cross_entropy", None, forward_only=False)
+                trainer.optim_step(model_id, ADAM)
+
+            results[variant] = time_steps(args, step, sync=torch.cuda.synchronize if args.device == "cuda" else None,
+                                          peak_memory=peak_allocated if args.device == "cuda" else None)
+            if args.profile and args.device == "cuda":
+                profile_step(step)
+            trainer.unload(model_id)
+    finally:
+        trainer.stop_followers()
+        for process in ranks:
+            process.join(timeout=60)
+        dist.destroy_process_group()
+        del trainer, base
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def time_steps(args, step, sync, peak_memory) -> dict:
+    """Median seconds per step after the warm-up steps, and the peak memory (GiB) the callable reports."""
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.steps):
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        step()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - start)
+    return {"step_seconds": float(np.median(times)), "all_step_seconds": times,
+            "peak_memory_gib": peak_memory() if peak_memory is not None else float("nan")}
+
+
+def peak_allocated() -> float:
+    """Rank 0's peak of memory held by tensors (the process's own allocations)."""
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def device_memory_in_use() -> float:
+    """Memory in use on GPU 0 by every process (the server's, seen from outside), at this moment."""
+    free, total = torch.cuda.mem_get_info(0)
+    return (total - free) / 2**30
+
+
+def profile_step(step) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        step()
+        torch.cuda.synchronize()
+    print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+
+
+# -- (b) through the API -------------------------------------------------------------------------------
+
+
+def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str, dict]:
+    import httpx
+    import tinker
+    from tinker import types
+
+    port = free_port()
+    data_dir = args.work_dir / f"server-{shape}"
+    command = [sys.executable, "-m", "server", "--base-model", BASE_NAME.format(shape=shape), "--model-path",
+               str(model_dir), "--port", str(port), "--data-dir", str(data_dir), "--device", args.device,
+               "--dtype", args.dtype, "--gpus", str(args.gpus), "--microbatch-tokens", str(args.microbatch_tokens)]
+    if args.activation_checkpointing:
+        command.append("--activation-checkpointing")
+    log = (args.work_dir / f"server-{shape}.log").open("w")
+    server = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, TINKER_TELEMETRY="0"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start:\n{(args.work_dir / f'server-{shape}.log').read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        service = tinker.ServiceClient(base_url=url, api_key=API_KEY)
+        results = {}
+        for variant in variants:
+            tc = service.create_lora_training_client(base_model=BASE_NAME.format(shape=shape), rank=args.rank,
+                                                     seed=0).result()
+            tokenizer = tc.get_tokenizer()
+            image_tokens = ImageProcessorSpec.from_model_dir(model_dir).num_tokens(args.image_size, args.image_size)
+            token = tokenizer.convert_tokens_to_ids
+            wire = build_datums(args, shape, variant, image_tokens, token("<|vision_start|>"), token("<|vision_end|>"))
+            data = [types.Datum(model_input=types.ModelInput.model_validate(d.model_input.model_dump(mode="json")),
+                                loss_fn_inputs={name: value.tolist() for name, value in d.loss_fn_inputs.items()})
+                    for d in wire]
+            adam = types.AdamParams(**ADAM.model_dump())
+
+            def step():
+                forward_backward = tc.forward_backward(data, "cross_entropy")
+                optim = tc.optim_step(adam)
+                forward_backward.result()
+                optim.result()
+
+            results[variant] = time_steps(args, step, sync=None,
+                                          peak_memory=device_memory_in_use if args.device == "cuda" else None)
+        return results
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+# -- report --------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    args = parse_args()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for shape in args.shapes.split(","):
+        model_dir = write_model(shape, args.work_dir / f"model-{shape}", args.device)
+        variants = args.variants.split(",")
+        measured = {}
+        for mode in args.modes.split(","):
+            run = run_inprocess if mode == "inprocess" else run_api
+            measured[mode] = run(args, shape, model_dir, variants)
+        for variant in variants:
+            tokens = args.sequences * args.sequence_length
+            per_token = flops_per_token(shape, args.sequence_length)
+            for mode, results in measured.items():
+                result = results[variant]
+                tokens_per_second_per_gpu = tokens / result["step_seconds"] / args.gpus
+                rows.append(dict(shape=shape, variant=variant, mode=mode, gpus=args.gpus,
+                                 step_seconds=result["step_seconds"], tokens_per_s_per_gpu=tokens_per_second_per_gpu,
+                                 mfu=tokens_per_second_per_gpu * per_token / (args.peak_tflops * 1e12),
+                                 peak_memory_gib=result["peak_memory_gib"], all_step_seconds=result["all_step_seconds"]))
+            if {"inprocess", "api"} <= measured.keys():
+                ratio = measured["inprocess"][variant]["step_seconds"] / measured["api"][variant]["step_seconds"]
+                rows.append(dict(shape=shape, variant=variant, mode="api/inprocess", ratio=ratio))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    print(f"\n{args.sequences} x {args.sequence_length} tokens per step, LoRA rank {args.rank}, {args.gpus} GPU(s), "
+          f"micro-batch {args.microbatch_tokens} tokens, activation checkpointing {args.activation_checkpointing}")
+    print(f"{'shape':6} {'variant':7} {'mode':14} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'peak GiB':>9}")
+    for row in rows:
+        if "ratio" in row:
+            print(f"{row['shape']:6} {row['variant']:7} {row['mode']:14} ratio (b)/(a) = {row['ratio']:.3f}")
+        else:
+            print(f"{row['shape']:6} {row['variant']:7} {row['mode']:14} {row['step_seconds']:8.2f} "
+                  f"{row['tokens_per_s_per_gpu']:10.0f} {row['mfu']:6.1%} {row['peak_memory_gib']:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
