@@ -14,5 +14,5 @@ python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3
     fastapi==0.165.0 annotated-doc==0.0.7 starlette==1.10.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 \
     sqlalchemy==2.1.9 alembic==1.20.1 mako==1.4.3 zstandard==0.25.0 \
     tinker==0.38.0 orjson==3.13.0 pyqwest==0.12.0 distro==1.9.0 sniffio==1.3.1 \
-    h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 transformers==5.23.0
+    h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 transformers==5.23.0 psycopg==3.3.9 psycopg-binary==3.3.9
 du -sh .whl

@@ -85,6 +85,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (image features get cached)")
     parser.add_argument("--microbatch-tokens", type=int, default=TrainerConfig.max_tokens_per_microbatch)
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--compile", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100 SXM)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/train-throughput"))
     parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one in-process step")
@@ -177,7 +178,7 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
         store=StoreConfig(database_url="sqlite://", checkpoint_dir=args.work_dir / "checkpoints"),
         trainer=TrainerConfig(local_ranks=args.gpus, world_size=args.gpus, master_port=free_port(),
                               max_tokens_per_microbatch=args.microbatch_tokens,
-                              activation_checkpointing=args.activation_checkpointing))
+                              activation_checkpointing=args.activation_checkpointing, compile=args.compile))
     ranks = start_local_ranks(config)
     group = init_training_group(0, args.gpus, config.model.device_type, "127.0.0.1", config.trainer.master_port)
     trainer = build_trainer(config, group)
@@ -270,6 +271,8 @@ def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str,
                "--dtype", args.dtype, "--gpus", str(args.gpus), "--microbatch-tokens", str(args.microbatch_tokens)]
     if args.activation_checkpointing:
         command.append("--activation-checkpointing")
+    if args.compile:
+        command.append("--compile")
     log = (args.work_dir / f"server-{shape}.log").open("w")
     server = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
                               env=dict(os.environ, TINKER_TELEMETRY="0"))
@@ -346,7 +349,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     print(f"\n{args.sequences} x {args.sequence_length} tokens per step, LoRA rank {args.rank}, {args.gpus} GPU(s), "
-          f"micro-batch {args.microbatch_tokens} tokens, activation checkpointing {args.activation_checkpointing}")
+          f"micro-batch {args.microbatch_tokens} tokens, activation checkpointing {args.activation_checkpointing}, "
+          f"compile {args.compile}")
     print(f"{'shape':6} {'variant':7} {'mode':14} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'peak GiB':>9}")
     for row in rows:
         if "ratio" in row:

@@ -59,6 +59,9 @@ class TrainerConfig:
     """Rendezvous of the training ranks; 0 picks a free port (single node)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block in backward instead of keeping its activations."""
+    compile: bool = False
+    """torch.compile each decoder block and the unembedding chunks (fuses the many small element-wise
+    kernels of norms, rotary embeddings, activations and LoRA; the first steps of each shape compile)."""
 
     def __post_init__(self):
         if not 1 <= self.local_ranks <= self.world_size:
@@ -158,6 +161,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="recompute each decoder block in backward (less memory, about a third more compute)")
     parser.add_argument("--microbatch-tokens", type=int, default=TrainerConfig.max_tokens_per_microbatch,
                         help="padded tokens per forward/backward pass on each training rank")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the decoder blocks and the unembedding (faster GPU steps after warm-up)")
     return parser
 
 
@@ -175,7 +180,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         images=ImageConfig(image_root=args.image_root.resolve() if args.image_root else None),
         limits=LimitsConfig(session_timeout_seconds=args.session_timeout),
         trainer=TrainerConfig(local_ranks=args.gpus, activation_checkpointing=args.activation_checkpointing,
-                              max_tokens_per_microbatch=args.microbatch_tokens,
+                              max_tokens_per_microbatch=args.microbatch_tokens, compile=args.compile,
                               # torchrun's variables when ranks on other nodes join (see the README)
                               world_size=int(os.environ.get("WORLD_SIZE", args.gpus)),
                               master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),

@@ -10,6 +10,7 @@ Text-only inputs never touch the image code. Knows nothing about losses, engines
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from server.errors import InvalidRequest, PayloadTooLarge
@@ -53,28 +54,26 @@ class RenderedInput:
         """The model's sequence: each image's pad repeated once per image token."""
         if not self.images:
             return self.token_ids
-        expanded: list[int] = []
-        images = iter(self.images)
-        for token in self.token_ids:
-            expanded.extend([token] * next(images).num_tokens if token == self.image_token_id else [token])
-        return expanded
+        counts = np.ones(len(self.token_ids), dtype=np.int64)
+        counts[self._pad_indices()] = [image.num_tokens for image in self.images]
+        return np.repeat(np.asarray(self.token_ids, dtype=np.int64), counts).tolist()
 
     def segments(self) -> list[Segment]:
         """Runs of text (their lengths) and images (their patch grids), in order."""
         segments: list[Segment] = []
-        images = iter(self.images)
-        run = 0
-        for token in self.token_ids:
-            if token != self.image_token_id:
-                run += 1
-                continue
-            if run:
-                segments.append(run)
-            segments.append(next(images).grid_thw)
-            run = 0
-        if run:
-            segments.append(run)
+        start = 0
+        for index, image in zip(self._pad_indices(), self.images):
+            if index > start:
+                segments.append(int(index - start))
+            segments.append(image.grid_thw)
+            start = int(index) + 1
+        if start < len(self.token_ids):
+            segments.append(len(self.token_ids) - start)
         return segments
+
+    def _pad_indices(self) -> np.ndarray:
+        """Where each image's single pad sits in `token_ids` (clients' text never holds one)."""
+        return np.flatnonzero(np.asarray(self.token_ids) == self.image_token_id)
 
 
 def render_model_input(model_input: ModelInput, context: RenderContext, where: str, *,

@@ -9,6 +9,7 @@ from the model's own preprocessor_config.json. Knows nothing about tokens, model
 Shapes: C = 3 colour channels, H/W = pixels after resizing, P = patches (grid_t * grid_h * grid_w).
 """
 
+import functools
 import hashlib
 import io
 import threading
@@ -29,7 +30,11 @@ _DECODABLE_FORMATS = ["PNG", "JPEG"]
 
 @dataclass(frozen=True)
 class PreparedImage:
-    """One decoded image, ready for the vision tower (pixel_values) or for vLLM (pixels)."""
+    """One decoded image, ready for the vision tower (pixel_values) or for vLLM (pixels).
+
+    Only the uint8 pixels travel when it is sent to another training rank: `pixel_values`
+    (eight times larger) is derived where it is needed, and only where the features are not cached.
+    """
 
     sha256: str
     """Hex digest of the encoded bytes: the key of every cache of this image."""
@@ -39,12 +44,36 @@ class PreparedImage:
     """Patch grid (temporal, height, width) before merging, as image_grid_thw holds it."""
     num_tokens: int
     """Image pad tokens of this image in the model's sequence."""
-    pixel_values: torch.Tensor
-    """float32 [P, C * temporal_patch * patch * patch] in the processor's patch order."""
+    processor: ImageProcessorSpec
+
+    @functools.cached_property
+    def pixel_values(self) -> torch.Tensor:
+        """float32 [P, C * temporal_patch * patch * patch] in the processor's patch order."""
+        spec = self.processor
+        # Rescale and normalise in one step, as the processor fuses them: (x - mean / r) / (std / r).
+        mean = torch.tensor(spec.image_mean, dtype=torch.float32) * (1.0 / spec.rescale_factor)
+        std = torch.tensor(spec.image_std, dtype=torch.float32) * (1.0 / spec.rescale_factor)
+        normalized_CHW = (self.pixels.float() - mean[:, None, None]) / std[:, None, None]
+        p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+        _, grid_h, grid_w = self.grid_thw
+        # [C, gh/m, m, p, gw/m, m, p] -> [gh/m, gw/m, m, m, C, p, p]: merged 2x2 groups of patches are contiguous.
+        patches = normalized_CHW.reshape(3, grid_h // m, m, p, grid_w // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+        # A still image is its own temporal patch: each patch repeats `t` times along time.
+        patches = patches.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)
+        return patches.reshape(grid_h * grid_w, 3 * t * p * p).contiguous()
+
+    def __getstate__(self) -> dict:
+        return {name: value for name, value in self.__dict__.items() if name != "pixel_values"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
 
     @property
     def nbytes(self) -> int:
-        return self.pixels.numel() + self.pixel_values.numel() * 4
+        """Bytes held: the pixels, and the pixel values once derived (the caches count them up front)."""
+        _, grid_h, grid_w = self.grid_thw
+        spec = self.processor
+        return self.pixels.numel() + grid_h * grid_w * 3 * spec.temporal_patch_size * spec.patch_size ** 2 * 4
 
     def png_bytes(self) -> bytes:
         """The resized RGB pixels as a lossless PNG (what an external engine decodes back exactly)."""
@@ -95,27 +124,17 @@ def _to_rgb(image: Image.Image) -> np.ndarray:
 
 
 def preprocess(rgb: np.ndarray, spec: ImageProcessorSpec, sha256: str) -> PreparedImage:
-    """Resize (bicubic, antialiased, in uint8 as the processor's torchvision backend does on CPU) and patchify."""
+    """Resize as the processor's torchvision backend does on CPU: bicubic, antialiased, in uint8."""
     height, width = rgb.shape[:2]
     resized_height, resized_width = spec.resized_size(height, width)
     pixels = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)
     if (resized_height, resized_width) != (height, width):
         pixels = F.interpolate(pixels[None], size=(resized_height, resized_width), mode="bicubic",
                                antialias=True, align_corners=False)[0]
-    pixels = pixels.contiguous()
-    # Rescale and normalise in one step, as the processor fuses them: (x - mean / r) / (std / r).
-    mean = torch.tensor(spec.image_mean, dtype=torch.float32) * (1.0 / spec.rescale_factor)
-    std = torch.tensor(spec.image_std, dtype=torch.float32) * (1.0 / spec.rescale_factor)
-    normalized_CHW = (pixels.float() - mean[:, None, None]) / std[:, None, None]
-    p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+    p, m = spec.patch_size, spec.merge_size
     grid_h, grid_w = resized_height // p, resized_width // p
-    # [C, gh/m, m, p, gw/m, m, p] -> [gh/m, gw/m, m, m, C, p, p]: merged 2x2 groups of patches are contiguous.
-    patches = normalized_CHW.reshape(3, grid_h // m, m, p, grid_w // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
-    # A still image is its own temporal patch: each patch repeats `t` times along time.
-    patches = patches.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)
-    pixel_values = patches.reshape(grid_h * grid_w, 3 * t * p * p).contiguous()
-    return PreparedImage(sha256=sha256, pixels=pixels, grid_thw=(1, grid_h, grid_w),
-                         num_tokens=grid_h * grid_w // (m * m), pixel_values=pixel_values)
+    return PreparedImage(sha256=sha256, pixels=pixels.contiguous(), grid_thw=(1, grid_h, grid_w),
+                         num_tokens=grid_h * grid_w // (m * m), processor=spec)
 
 
 class ImagePreparer:

@@ -15,11 +15,15 @@ from torch.utils.checkpoint import checkpoint
 
 
 class TargetLogprobs(nn.Module):
-    def __init__(self, model: nn.Module, chunk_size: int):
+    def __init__(self, model: nn.Module, chunk_size: int, compile: bool = False):
         super().__init__()
         self.model = model
         """The HF *ForCausalLM / *ForConditionalGeneration model (with LoRA wrappers)."""
         self.chunk_size = chunk_size
+        if compile:
+            # One fused pass for the unembedding's fp32 cast, log-softmax and gather, instead of several
+            # over [chunk, vocabulary] floats.
+            self._chunk_logprobs = torch.compile(self._chunk_logprobs)
 
     def forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, targets_NK: torch.Tensor,
                 position_ids: torch.Tensor | None = None, mm_encoder_outputs: dict | None = None) -> torch.Tensor:

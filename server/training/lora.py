@@ -1,7 +1,7 @@
 """LoRA adapters that many training runs share on one frozen base model.
 
-The base model's target linear layers are wrapped once (`apply_lora_wrappers`); each wrapper adds
-the delta of whichever adapter its model's `AdapterSlot` holds (`use_adapter`). The slot belongs to
+The base model's target linear layers are wrapped once (`apply_lora_wrappers`); `use_adapter` puts
+one adapter's tensors in place in every wrapper of that model (its `AdapterSlot`). They belong to
 the model, not to a thread, so activation checkpointing may recompute a layer on autograd's own
 thread. Adapters are plain fp32 tensors keyed by module name, saved in the standard PEFT layout;
 their delta is computed in the activations' dtype (bf16 on GPUs), with fp32 master weights.
@@ -31,28 +31,37 @@ class LoraTarget:
 
 
 class AdapterSlot:
-    """The adapter that the wrapped layers of one model currently add (None: the base model)."""
+    """Which adapter the LoRA layers of one model add (None: the base model)."""
 
     def __init__(self):
         self.adapter: LoraAdapter | None = None
+        self.layers: list[LoraLinear] = []
 
 
 class LoraLinear(nn.Module):
-    """An nn.Linear plus the delta of its model's current adapter, if that adapter adapts this module."""
+    """An nn.Linear plus the delta of the adapter `use_adapter` put in place, if it adapts this module.
 
-    def __init__(self, base: nn.Linear, name: str, slot: AdapterSlot):
+    The adapter's tensors are plain attributes of the layer while it is in use, so a compiled
+    forward sees them as inputs: another adapter of the same rank runs the same compiled code.
+    """
+
+    def __init__(self, base: nn.Linear, name: str):
         super().__init__()
         self.base = base
         self.name = name
-        self.slot = slot
+        self.lora_A: torch.Tensor | None = None
+        self.lora_B: torch.Tensor | None = None
+        self.scale = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        adapter = self.slot.adapter
-        if adapter is None or self.name not in adapter.lora_A:
+        if self.lora_A is None:
             return y
-        lora_A, lora_B = adapter.lora_A[self.name].to(x.dtype), adapter.lora_B[self.name].to(x.dtype)
-        return y + ((x @ lora_A.T) @ lora_B.T) * adapter.scale
+        lora_A, lora_B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        # Scale the rank-wide intermediate, not the output, and let the second matmul add into y:
+        # no extra pass over the (wide) output in forward or backward.
+        scaled = (x @ lora_A.T) * self.scale
+        return torch.addmm(y.reshape(-1, y.shape[-1]), scaled.reshape(-1, scaled.shape[-1]), lora_B.T).view_as(y)
 
 
 class LoraAdapter:
@@ -112,11 +121,20 @@ class LoraAdapter:
 def use_adapter(slot: AdapterSlot, adapter: LoraAdapter | None) -> Iterator[None]:
     """Run the enclosed calls of the slot's model with `adapter` (None: the base model)."""
     previous = slot.adapter
-    slot.adapter = adapter
+    _put_in_place(slot, adapter)
     try:
         yield
     finally:
-        slot.adapter = previous
+        _put_in_place(slot, previous)
+
+
+def _put_in_place(slot: AdapterSlot, adapter: LoraAdapter | None) -> None:
+    slot.adapter = adapter
+    for layer in slot.layers:
+        adapted = adapter is not None and layer.name in adapter.lora_A
+        layer.lora_A = adapter.lora_A[layer.name] if adapted else None
+        layer.lora_B = adapter.lora_B[layer.name] if adapted else None
+        layer.scale = adapter.scale if adapted else 1.0
 
 
 def apply_lora_wrappers(model: nn.Module, family: ModelFamily) -> tuple[list[LoraTarget], AdapterSlot]:
@@ -138,7 +156,9 @@ def apply_lora_wrappers(model: nn.Module, family: ModelFamily) -> tuple[list[Lor
         else:
             continue
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        setattr(parent, leaf, LoraLinear(module, name, slot))
+        wrapper = LoraLinear(module, name)
+        setattr(parent, leaf, wrapper)
+        slot.layers.append(wrapper)
         targets.append(LoraTarget(name, kind, module.in_features, module.out_features))
     return targets, slot
 

@@ -82,7 +82,7 @@ def init_training_group(rank: int, world_size: int, device_type: str, master_add
 
 
 def apply_fsdp(root: nn.Module, decoder_layers: nn.ModuleList, ignored: nn.Module | None, mesh: DeviceMesh,
-               activation_checkpointing: bool) -> None:
+               activation_checkpointing: bool, compile: bool) -> None:
     """Shard the frozen base: each decoder block is one FSDP unit, the rest of `root` another.
 
     Args:
@@ -92,9 +92,11 @@ def apply_fsdp(root: nn.Module, decoder_layers: nn.ModuleList, ignored: nn.Modul
             the root's forward, once per image, and must not wait for other ranks' collectives).
     """
     for index, layer in enumerate(decoder_layers):
+        # Checkpointing, then compiling, then sharding each block: torchtitan's order.
         if activation_checkpointing:
-            # Wrapped before sharding, so FSDP's hooks see the checkpointed block (torchtitan's order).
             layer = checkpoint_wrapper(layer)
             decoder_layers[index] = layer
+        if compile:
+            layer.compile()
         fully_shard(layer, mesh=mesh)
     fully_shard(root, mesh=mesh, ignored_params=set(ignored.parameters()) if ignored is not None else None)

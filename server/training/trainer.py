@@ -76,10 +76,11 @@ class Trainer:
         self.device = group.device
         self.targets: list[LoraTarget]
         self.targets, self.slot = apply_lora_wrappers(base.model, base.family)
-        self.forward_model = TargetLogprobs(base.model, config.logprob_chunk_size)
+        self.forward_model = TargetLogprobs(base.model, config.logprob_chunk_size, config.compile)
         tower = base.family.vision.tower_module if base.family.vision is not None else None
         apply_fsdp(self.forward_model, base.model.get_submodule(base.family.language_model_prefix.rstrip(".")),
-                   base.model.get_submodule(tower) if tower else None, group.mesh, config.activation_checkpointing)
+                   base.model.get_submodule(tower) if tower else None, group.mesh, config.activation_checkpointing,
+                   config.compile)
         self.models: dict[str, TrainableModel] = {}
 
     def _lead(self, method: str, *args) -> None:

@@ -25,6 +25,7 @@ CLI_OPTIONS = {
     "--gpus",
     "--activation-checkpointing",
     "--microbatch-tokens",
+    "--compile",
 }
 DATABASE_URL_ENV = "TINKER_SERVER_DATABASE_URL"
 
