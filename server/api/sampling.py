@@ -18,7 +18,8 @@ from server.api.models import check_base_model
 from server.api.weights import checkpoint_of
 from server.errors import InvalidRequest, NotFound, PayloadTooLarge
 from server.rendering.training import model_input_token_ids
-from server.sampling.embedded import PromptInput, SamplingOptions
+from server.sampling.embedded import PromptInput
+from server.sampling.types import SamplingOptions
 from server.store.store import SamplingSessionRecord
 from server.training.lora import LoraAdapter, use_adapter
 from server.wire.proto import SampledSequenceOut, encode_sample_response

@@ -5,7 +5,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from server.sampling.embedded import EmbeddedSampler, PromptInput, SamplingOptions
+from server.sampling.embedded import EmbeddedSampler, PromptInput
+from server.sampling.types import SamplingOptions
 
 # Tensor shape suffixes: T = prompt plus completion positions, V = vocabulary.
 
