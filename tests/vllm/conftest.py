@@ -19,13 +19,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
 # Small engines: fp32 so that logprobs match HF to 1e-6, eager (a torch.compile start costs minutes
-# on 2 cores), 1 GiB of KV cache. qwen2-vl keeps a single adapter slot and a single loaded adapter
-# (the eviction test needs that) and 4 sequences per request (num_samples above it is split).
+# on 2 cores), 1 GiB of KV cache, no chunked prefill (on CPU, seeds would depend on the load).
+# qwen2-vl keeps a single adapter slot and a single loaded adapter (the eviction test needs that)
+# and 4 sequences per request (num_samples above it is split).
 ENGINE_CONFIGS = {
     "qwen2-vl": VLLMConfig(python=VLLM_PYTHON, max_model_len=1024, max_num_seqs=4, max_loras=1, max_lora_rank=8,
-                           max_cpu_loras=1, max_images_per_prompt=2, kv_cache_space_gib=1, enforce_eager=True),
+                           max_cpu_loras=1, max_images_per_prompt=2, kv_cache_space_gib=1, enforce_eager=True,
+                           chunked_prefill=False),
     "qwen3-vl": VLLMConfig(python=VLLM_PYTHON, max_model_len=1024, max_num_seqs=8, max_loras=2, max_lora_rank=8,
-                           max_cpu_loras=2, max_images_per_prompt=2, kv_cache_space_gib=1, enforce_eager=True),
+                           max_cpu_loras=2, max_images_per_prompt=2, kv_cache_space_gib=1, enforce_eager=True,
+                           chunked_prefill=False),
 }
 
 
