@@ -45,3 +45,9 @@ class PayloadTooLarge(InvalidRequest):
     """A body, image or sequence is over a configured limit."""
 
     status_code = 413
+
+
+class EngineUnavailable(TinkerServerError, ConnectionError):
+    """The sampling engine (a vLLM server) is down, restarting, or gave up restarting."""
+
+    status_code = 503

@@ -18,7 +18,7 @@ from server.api.deps import (
 from server.api.models import check_base_model
 from server.api.weights import checkpoint_of
 from server.errors import InvalidRequest, NotFound, PayloadTooLarge
-from server.sampling.embedded import SamplingOptions
+from server.sampling.types import SamplingOptions
 from server.store.store import SamplingSessionRecord
 from server.wire.proto import SampledSequenceOut, encode_sample_response
 from server.wire.types import (

@@ -8,7 +8,6 @@ adapter each request names. It knows nothing about HTTP, the wire format or chec
 """
 
 import threading
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -19,6 +18,7 @@ from server.models.loading import LoadedVision, load_base_model
 from server.models.vision_features import VisionEncoder
 from server.rendering.chunks import RenderedInput, position_ids
 from server.training.lora import AdapterSlot, LoraAdapter, apply_lora_wrappers, use_adapter
+from server.sampling.types import SampledSequence, SampleOutput, SamplingOptions
 
 # Tensor shape suffixes:
 #   L  prompt positions            N  samples asked for (num_samples)
@@ -32,56 +32,6 @@ _PROMPT_LOGPROB_CHUNK_ELEMENTS = 1 << 26
 _STOP_WINDOW_MARGIN = 8
 
 
-@dataclass(frozen=True)
-class SamplingOptions:
-    """How to sample one request: Tinker's SamplingParams after the caller resolved stops."""
-
-    max_tokens: int
-    """Hard cap on the number of generated tokens."""
-    temperature: float = 1.0
-    """Softmax temperature; 0 means greedy."""
-    top_k: int = -1
-    """Keep only the k most likely tokens; -1 (or 0, as vLLM allows) means no limit."""
-    top_p: float = 1.0
-    """Keep the smallest set of most likely tokens whose mass reaches top_p."""
-    seed: int | None = None
-    """Seed of the request's generator; None draws a fresh one."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Stop when one is sampled; it stays as the last output token. EOS ids come from the caller."""
-    stop_strings: tuple[str, ...] = ()
-    """Stop right after the token that makes the decoded completion contain one."""
-
-    def __post_init__(self):
-        if self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < -1:
-            raise InvalidRequest(f"top_k must be -1 (no limit) or positive, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-@dataclass
-class SampledSequence:
-    """One completion."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    """Logprob of each token under the raw model distribution (no temperature, top-k or top-p)."""
-    stop_reason: str
-    """"stop" (stop token or stop string) or "length" (max_tokens reached)."""
-
-
-@dataclass
-class SampleOutput:
-    """The completions of one prompt, and its logprobs when they were asked for."""
-
-    sequences: list[SampledSequence]
-    prompt_logprobs: list[float | None] | None
-    """Per prompt position; None at position 0."""
-    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None
-    """Per prompt position, the k best (token, logprob), best first; None at position 0."""
 
 
 class EmbeddedSampler:

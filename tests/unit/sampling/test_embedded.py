@@ -6,7 +6,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from server.rendering.chunks import RenderedInput
-from server.sampling.embedded import EmbeddedSampler, SamplingOptions
+from server.sampling.embedded import EmbeddedSampler
+from server.sampling.types import SamplingOptions
 
 # Tensor shape suffixes: T = prompt plus completion positions, V = vocabulary.
 

