@@ -20,7 +20,8 @@ from pathlib import Path
 
 from server.config import ModelConfig
 from server.models.loading import load_base_model
-from server.sampling.embedded import EmbeddedSampler, PromptInput
+from server.rendering.chunks import RenderedInput
+from server.sampling.embedded import EmbeddedSampler
 from server.sampling.types import SamplingOptions
 from server.sampling.vllm import VLLMSampler
 from server.sampling.vllm_process import VLLMConfig, VLLMProcess
@@ -131,10 +132,10 @@ def main() -> None:
     embedded = EmbeddedSampler(base.model, base.tokenizer)
     self_pid = [os.getpid()]
     results = []
-    embedded.sample(PromptInput(prompts[0]), options)  # warm-up
+    embedded.sample(RenderedInput(prompts[0], [], None), options)  # warm-up
     for workload in workloads:
         # The server runs embedded sampling on one thread, one request at a time.
-        results.append(run("embedded (HF)", lambda p, n: embedded.sample(PromptInput(p), options, num_samples=n),
+        results.append(run("embedded (HF)", lambda p, n: embedded.sample(RenderedInput(p, [], None), options, num_samples=n),
                            prompts, workload, 1, lambda: self_pid))
 
     config = VLLMConfig(python=args.vllm_python, max_model_len=2048, max_num_seqs=64, max_loras=2, max_lora_rank=8,

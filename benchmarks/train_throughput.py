@@ -281,7 +281,8 @@ def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str,
         deadline = time.monotonic() + 900
         while True:
             if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start:\n{(args.work_dir / f'server-{shape}.log').read_text()[-3000:]}")
+                log_text = (args.work_dir / f"server-{shape}.log").read_text()
+                raise RuntimeError(f"server did not start:\n{log_text[-3000:]}")
             try:
                 if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
                     break
@@ -342,7 +343,8 @@ def main() -> None:
                 rows.append(dict(shape=shape, variant=variant, mode=mode, gpus=args.gpus,
                                  step_seconds=result["step_seconds"], tokens_per_s_per_gpu=tokens_per_second_per_gpu,
                                  mfu=tokens_per_second_per_gpu * per_token / (args.peak_tflops * 1e12),
-                                 peak_memory_gib=result["peak_memory_gib"], all_step_seconds=result["all_step_seconds"]))
+                                 peak_memory_gib=result["peak_memory_gib"],
+                                 all_step_seconds=result["all_step_seconds"]))
             if {"inprocess", "api"} <= measured.keys():
                 ratio = measured["inprocess"][variant]["step_seconds"] / measured["api"][variant]["step_seconds"]
                 rows.append(dict(shape=shape, variant=variant, mode="api/inprocess", ratio=ratio))

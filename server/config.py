@@ -6,8 +6,11 @@ nothing re-reads flags later.
 
 import argparse
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from server.sampling.vllm_process import VLLMConfig
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -70,12 +73,22 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class SamplerConfig:
+    engine: str = "embedded"
+    """embedded (HF transformers in this process) or vllm (a supervised vLLM server)."""
+    vllm: VLLMConfig | None = None
+    """How to run vLLM when engine is vllm."""
     max_new_tokens_default: int = 128
     """max_tokens when the client leaves it unset."""
     max_ephemeral_per_model: int = 8
     """Sampler snapshots kept in memory per training run by save_weights_and_get_sampling_client."""
     max_loaded_adapters: int = 16
     """Saved sampler adapters kept loaded (least recently used ones are reloaded on demand)."""
+
+    def __post_init__(self):
+        if self.engine not in ("embedded", "vllm"):
+            raise ValueError(f"sampler engine must be embedded or vllm, got {self.engine!r}")
+        if (self.engine == "vllm") != (self.vllm is not None):
+            raise ValueError("the vllm engine needs its VLLMConfig, and only it")
 
 
 @dataclass(frozen=True)
@@ -163,6 +176,19 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="padded tokens per forward/backward pass on each training rank")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the decoder blocks and the unembedding (faster GPU steps after warm-up)")
+    parser.add_argument("--sampler", choices=["embedded", "vllm"], default="embedded",
+                        help="sampling engine: HF transformers in this process, or a vLLM server it supervises")
+    parser.add_argument("--vllm-python", type=Path, default=Path(".venv-vllm/bin/python"),
+                        help="interpreter of the vLLM venv (scripts/install_vllm.sh builds .venv-vllm)")
+    parser.add_argument("--vllm-url", default=None, help="use a vLLM already running at this URL instead")
+    parser.add_argument("--vllm-max-loras", type=int, default=VLLMConfig.max_loras,
+                        help="adapters that may share one vLLM batch")
+    parser.add_argument("--vllm-max-lora-rank", type=int, default=VLLMConfig.max_lora_rank,
+                        help="largest LoRA rank vLLM serves (8, 16, 32, 64, ...)")
+    parser.add_argument("--vllm-max-cpu-loras", type=int, default=VLLMConfig.max_cpu_loras,
+                        help="adapters vLLM keeps loaded (least recently used ones are reloaded from disk)")
+    parser.add_argument("--vllm-args", default="",
+                        help="more flags for the vLLM server, e.g. '--gpu-memory-utilization 0.4'")
     return parser
 
 
@@ -185,7 +211,16 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                               world_size=int(os.environ.get("WORLD_SIZE", args.gpus)),
                               master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                               master_port=int(os.environ.get("MASTER_PORT", 0))),
+        sampler=SamplerConfig(engine=args.sampler, vllm=_vllm_config(args) if args.sampler == "vllm" else None),
         client=ClientFlagsConfig(fwdbwd_max_chunk_len=args.fwdbwd_chunk_len))
+
+
+def _vllm_config(args: argparse.Namespace) -> VLLMConfig:
+    return VLLMConfig(
+        python=None if args.vllm_url else args.vllm_python.absolute(), url=args.vllm_url,
+        max_loras=args.vllm_max_loras, max_lora_rank=args.vllm_max_lora_rank, max_cpu_loras=args.vllm_max_cpu_loras,
+        # On CPUs a seeded request whose prefill is split draws extra random numbers (see VLLMConfig).
+        chunked_prefill=args.device != "cpu", extra_args=tuple(shlex.split(args.vllm_args)))
 
 
 def rank_from_environment() -> int:

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +51,7 @@ def _free_port() -> int:
 
 
 def start_server(data_dir: Path, database_url: str, models_dir: Path, *extra_args: str,
-                 base_model: str = BASE_MODEL) -> LiveServer:
+                 base_model: str = BASE_MODEL, startup_seconds: float = STARTUP_SECONDS) -> LiveServer:
     """Start `python -m server` on `base_model` and wait until it answers healthz (extra_args go to its
     command line)."""
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -67,7 +66,7 @@ def start_server(data_dir: Path, database_url: str, models_dir: Path, *extra_arg
          "--data-dir", str(data_dir), "--database-url", database_url, *extra_args],
         cwd=REPO_ROOT, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
     server = LiveServer(f"http://127.0.0.1:{port}", data_dir, database_url, process, log_path)
-    deadline = time.monotonic() + STARTUP_SECONDS
+    deadline = time.monotonic() + startup_seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
             pytest.fail(f"server exited with {process.returncode}:\n{server.log()}", pytrace=False)
@@ -78,4 +77,4 @@ def start_server(data_dir: Path, database_url: str, models_dir: Path, *extra_arg
             pass
         time.sleep(0.3)
     server.stop()
-    pytest.fail(f"server did not come up in {STARTUP_SECONDS} s:\n{server.log()}", pytrace=False)
+    pytest.fail(f"server did not come up in {startup_seconds} s:\n{server.log()}", pytrace=False)

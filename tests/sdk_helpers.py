@@ -30,3 +30,27 @@ def prompt_of(datum: types.Datum) -> list[int]:
     """The datum's full token sequence (inputs plus the last target)."""
     tokens = datum.model_input.to_ints()
     return tokens + [int(datum.loss_fn_inputs["target_tokens"].tolist()[-1])]
+
+
+def check_sampling_parameters(sampler: tinker.SamplingClient, tokenizer) -> None:
+    """Greedy, top_k, seeds, num_samples, stop tokens and stop strings behave as Tinker defines them."""
+    prompt = types.ModelInput.from_ints(tokenizer.encode("The blue circle"))
+
+    def run(**params):
+        return sampler.sample(prompt, num_samples=params.pop("num_samples", 1),
+                              sampling_params=types.SamplingParams(**params)).result().sequences
+
+    greedy = run(max_tokens=8, temperature=0.0, stop=[])
+    assert len(greedy[0].tokens) == 8 and greedy[0].stop_reason == "length"
+    assert [s.tokens for s in run(max_tokens=8, top_k=1, seed=1, stop=[])] == [greedy[0].tokens]
+    seeded = run(max_tokens=8, seed=7, num_samples=3, stop=[])
+    assert len(seeded) == 3 and len({tuple(s.tokens) for s in seeded}) > 1
+    assert [s.tokens for s in run(max_tokens=8, seed=7, num_samples=3, stop=[])] == [s.tokens for s in seeded]
+    assert [s.tokens for s in run(max_tokens=8, seed=8, num_samples=3, stop=[])] != [s.tokens for s in seeded]
+    stop_token = greedy[0].tokens[3]
+    stopped = run(max_tokens=8, temperature=0.0, stop=[stop_token])[0]
+    assert stopped.stop_reason == "stop" and stopped.tokens[-1] == stop_token
+    assert stopped.tokens == greedy[0].tokens[:greedy[0].tokens.index(stop_token) + 1]
+    stop_text = tokenizer.decode(greedy[0].tokens[2:4])
+    by_string = run(max_tokens=8, temperature=0.0, stop=[stop_text])[0]
+    assert by_string.stop_reason == "stop" and stop_text in tokenizer.decode(by_string.tokens)

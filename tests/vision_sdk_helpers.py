@@ -35,7 +35,7 @@ class ImagePrompts:
         return types.ImageChunk(data=buffer.getvalue(), format=image_format, expected_tokens=expected_tokens)
 
     def user_turn(self, images: list[Image.Image], text: str) -> list:
-        """<|im_start|>user\\n, then <|vision_start|> IMAGE <|vision_end|> per image, the text, the header of the reply."""
+        """The user's turn: each image between <|vision_start|> and <|vision_end|>, the text, the reply's header."""
         chunks = [types.EncodedTextChunk(tokens=self.ids("<|im_start|>user\n"))]
         for image in images:
             chunks += [types.EncodedTextChunk(tokens=self.ids("<|vision_start|>")), self.image_chunk(image),

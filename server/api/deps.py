@@ -9,6 +9,7 @@ import multiprocessing
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
@@ -20,9 +21,9 @@ from server.models.loading import LoadedModel
 from server.rendering.chunks import RenderContext
 from server.rendering.sampling import VLLMRenderer
 from server.sampling.adapters import SamplerAdapters
-from server.sampling.embedded import OnDemandSampler
+from server.sampling.engine import EmbeddedEngine, VLLMEngine, checkpoint_adapter_name
 from server.scheduler.scheduler import Scheduler, Work
-from server.store.store import SessionRecord, Store, TrainingRunRecord
+from server.store.store import CheckpointRecord, SessionRecord, Store, TrainingRunRecord
 from server.training.trainer import Trainer
 
 JSON = "application/json"
@@ -43,7 +44,7 @@ class Services:
     trainer: Trainer
     training_ranks: list[multiprocessing.Process]
     """Training ranks 1.. of this node (the server's process is rank 0)."""
-    sampler: OnDemandSampler
+    sampler: EmbeddedEngine | VLLMEngine
     adapters: SamplerAdapters
     render_context: RenderContext
     sampling_renderer: VLLMRenderer
@@ -127,6 +128,12 @@ async def submit_training_op(services: Services, *, model_id: str, seq_id: int |
     return await services.scheduler.submit_training(request_id=new_request_id(), request_type=request_type,
                                                     model_id=model_id, seq_id=seq_id, payload_hash=digest,
                                                     work=work)
+
+
+def forget_checkpoint(services: Services, record: CheckpointRecord) -> None:
+    """Release every cached copy of a deleted or overwritten checkpoint's adapter."""
+    services.adapters.forget(Path(record.directory))
+    services.sampler.forget(checkpoint_adapter_name(record.tinker_path, record.created_at))
 
 
 def failing_work(error: TinkerServerError) -> Work:

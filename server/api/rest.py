@@ -2,12 +2,11 @@
 
 import shutil
 from datetime import timedelta
-from pathlib import Path
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel
 
-from server.api.deps import OwnerDep, Services, ServicesDep, run_of
+from server.api.deps import OwnerDep, Services, ServicesDep, forget_checkpoint, run_of
 from server.api.weights import checkpoint_of
 from server.errors import InvalidRequest
 from server.store.checkpoints import SCHEME
@@ -80,7 +79,7 @@ async def delete_checkpoint(model_id: str, checkpoint_id: str, services: Service
     """Delete a checkpoint's listing and files."""
     record = _checkpoint_by_id(services, model_id, checkpoint_id, owner)
     services.store.delete_checkpoint(record.tinker_path)
-    services.adapters.forget(Path(record.directory))
+    forget_checkpoint(services, record)
     shutil.rmtree(record.directory, ignore_errors=True)
     return {}
 

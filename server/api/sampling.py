@@ -18,6 +18,7 @@ from server.api.deps import (
 from server.api.models import check_base_model
 from server.api.weights import checkpoint_of
 from server.errors import InvalidRequest, NotFound, PayloadTooLarge
+from server.sampling.engine import AdapterRef, checkpoint_adapter_name
 from server.sampling.types import SamplingOptions
 from server.store.store import SamplingSessionRecord
 from server.wire.proto import SampledSequenceOut, encode_sample_response
@@ -65,15 +66,23 @@ async def get_sampler(sampling_session_id: str, services: ServicesDep, owner: Ow
                               model_path=record.model_path)
 
 
-def _adapter_resolver(services: Services, record: SamplingSessionRecord | None, model_path: str | None, owner: str):
-    """A function (run on the sampling thread) giving the adapter to sample with; None is the base model."""
+def pin_adapter(services: Services, record: SamplingSessionRecord | None, model_path: str | None,
+                owner: str) -> AdapterRef | None:
+    """The adapter a request samples with, fixed when the request is accepted (None: the base model).
+
+    Pinned here, so that a save_weights_for_sampler issued after this request never changes it.
+    """
     if record is not None and record.source_model_id is not None:
-        return lambda: services.adapters.ephemeral(record.sampling_session_id)
+        snapshot = services.adapters.ephemeral(record.sampling_session_id)
+        return AdapterRef(name=record.sampling_session_id, directory=snapshot.directory, weights=snapshot.adapter,
+                          adapts_unembedding="lm_head" in snapshot.adapter.lora_A)
     path = record.model_path if record is not None else model_path
     if path is None:
-        return lambda: None
+        return None
     checkpoint = checkpoint_of(services, path, owner)
-    return lambda: services.adapters.saved(Path(checkpoint.directory))
+    run = services.store.get_training_run(checkpoint.model_id)
+    return AdapterRef(name=checkpoint_adapter_name(checkpoint.tinker_path, checkpoint.created_at),
+                      directory=Path(checkpoint.directory), weights=None, adapts_unembedding=run.train_unembed)
 
 
 def sampling_options(services: Services, request: SampleRequest, prompt_length: int) -> SamplingOptions:
@@ -105,7 +114,7 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
         record = sampler_of(services, sample.sampling_session_id, owner)
     else:
         check_base_model(services, sample.base_model)
-    resolve_adapter = _adapter_resolver(services, record, sample.model_path, owner)
+    adapter = await asyncio.to_thread(pin_adapter, services, record, sample.model_path, owner)
     if sample.num_samples > MAX_NUM_SAMPLES:
         raise InvalidRequest(f"num_samples {sample.num_samples} is over the limit of {MAX_NUM_SAMPLES}")
     if sample.topk_sample_logprobs or sample.prompt_alt_tokens_k or sample.target_prompt_logprobs is not None:
@@ -116,9 +125,9 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
     want_prompt_logprobs = sample.prompt_logprobs or sample.topk_prompt_logprobs > 0
 
     def work():
-        output = services.sampler.sample(prompt, options, num_samples=sample.num_samples,
+        output = services.sampler.sample(prompt, options, adapter=adapter, num_samples=sample.num_samples,
                                          include_prompt_logprobs=want_prompt_logprobs,
-                                         topk_prompt_logprobs=sample.topk_prompt_logprobs, adapter=resolve_adapter())
+                                         topk_prompt_logprobs=sample.topk_prompt_logprobs)
         prompt_logprobs = output.prompt_logprobs if sample.prompt_logprobs else None
         topk = output.topk_prompt_logprobs if sample.topk_prompt_logprobs else None
         if sample.prompt_logprobs_last_n is not None:

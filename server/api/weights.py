@@ -9,6 +9,7 @@ from server.api.deps import (
     OwnerDep,
     Services,
     ServicesDep,
+    forget_checkpoint,
     json_result,
     read_body,
     run_of,
@@ -49,11 +50,12 @@ def _save(services: Services, run: TrainingRunRecord, tinker_path: TinkerPath, *
           ttl_seconds: int | None, user_metadata: dict[str, str] | None, write) -> None:
     """Write a checkpoint's files with `write(directory)` and record it (worker thread, in seq_id order)."""
     directory = tinker_path.directory(services.config.store.checkpoint_dir)
-    if services.store.get_checkpoint(str(tinker_path)) is not None:
+    existing = services.store.get_checkpoint(str(tinker_path))
+    if existing is not None:
         if not overwrite:
             raise InvalidRequest(f"checkpoint {tinker_path} already exists; choose another name")
         shutil.rmtree(directory, ignore_errors=True)
-        services.adapters.forget(directory)
+        forget_checkpoint(services, existing)
     size = write(directory)
     now = utcnow()
     services.store.add_checkpoint(CheckpointRecord(
@@ -111,7 +113,8 @@ async def save_weights_for_sampler(request: Request, services: ServicesDep, owne
 
     def ephemeral_work():
         sampling_session_id = f"{run.session_id}:sample:{save.sampling_session_seq_id}"
-        services.adapters.add_ephemeral(sampling_session_id, run.model_id, services.trainer.snapshot(run.model_id))
+        services.adapters.add_ephemeral(sampling_session_id, run.model_id, services.trainer.snapshot(run.model_id),
+                                        services.base.name)
         if services.store.get_sampling_session(sampling_session_id) is None:
             services.store.create_sampling_session(SamplingSessionRecord(
                 sampling_session_id=sampling_session_id, session_id=run.session_id, owner=owner,

@@ -63,7 +63,7 @@ class PreparedImage:
         return patches.reshape(grid_h * grid_w, 3 * t * p * p).contiguous()
 
     def __getstate__(self) -> dict:
-        return {name: value for name, value in self.__dict__.items() if name != "pixel_values"}
+        return {name: value for name, value in self.__dict__.items() if name not in ("pixel_values", "png_bytes")}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -75,6 +75,7 @@ class PreparedImage:
         spec = self.processor
         return self.pixels.numel() + grid_h * grid_w * 3 * spec.temporal_patch_size * spec.patch_size ** 2 * 4
 
+    @functools.cached_property
     def png_bytes(self) -> bytes:
         """The resized RGB pixels as a lossless PNG (what an external engine decodes back exactly)."""
         buffer = io.BytesIO()

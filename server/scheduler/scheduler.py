@@ -3,8 +3,9 @@
 Every submitted request is journaled as a future before it is acknowledged. A model's training
 requests run strictly in seq_id order (the SDK sends a forward_backward's chunks concurrently,
 the first one last); a retry with a (model_id, seq_id) already journaled gets the original
-request id and never runs twice. Training and sampling have one worker thread each, so sampling
-never waits behind training. Waiters are woken in memory; the database is only the journal.
+request id and never runs twice. Training has one worker thread and sampling its own (several when
+the engine batches concurrent requests), so sampling never waits behind training. Waiters are woken
+in memory; the database is only the journal.
 """
 
 import asyncio
@@ -38,10 +39,12 @@ def _not_loaded(model_id: str) -> str:
 
 
 class Scheduler:
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, sampling_workers: int = 1):
         self.store = store
         self._training = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training")
-        self._sampling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampling")
+        # One sampling thread for an engine that runs one request at a time; many for one that batches
+        # whatever is in flight (vLLM), so each request completes when its own generation ends.
+        self._sampling = ThreadPoolExecutor(max_workers=sampling_workers, thread_name_prefix="sampling")
         self._queues: dict[str, _ModelQueue] = {}
         self._waiters: dict[str, asyncio.Event] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -186,7 +186,8 @@ class Trainer:
         """The summed loss of one micro-batch; each datum's logprobs and elementwise loss go to `outputs`."""
         if not batch:
             # A rank with no datum left still joins the collectives of the others' forward and backward.
-            keep_pace = [TrainingExample(input_ids=[0], loss_fn_inputs={"target_tokens": torch.zeros(1, dtype=torch.long)})]
+            keep_pace = [TrainingExample(input_ids=[0],
+                                         loss_fn_inputs={"target_tokens": torch.zeros(1, dtype=torch.long)})]
             return self._logprobs(keep_pace).sum() * 0.0
         examples = [example for _, example in batch]
         logprobs_NK = self._logprobs(examples)

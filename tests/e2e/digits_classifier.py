@@ -78,7 +78,8 @@ class Renderer:
         tokens += answer
         weights = [0.0] * (len(tokens) - len(answer)) + [1.0] * len(answer)
         model_input = types.ModelInput(chunks=prompt + [types.EncodedTextChunk(tokens=answer[:-1])])
-        return types.Datum(model_input=model_input, loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]})
+        return types.Datum(model_input=model_input,
+                           loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]})
 
     def parse(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()

@@ -8,7 +8,7 @@ import torch
 from tinker import types
 
 from live_server import BASE_MODEL
-from sdk_helpers import SENTENCES, forward_logprobs, prompt_of, supervised_datum
+from sdk_helpers import SENTENCES, check_sampling_parameters, forward_logprobs, prompt_of, supervised_datum
 
 ADAM = types.AdamParams(learning_rate=5e-3)
 
@@ -50,27 +50,7 @@ def test_sampler_logprobs_agree_with_the_trainers_forward(service_client, traine
 
 def test_sampling_parameters_are_honoured(service_client, trained):
     tc, tokenizer, data = trained
-    sampler = service_client.create_sampling_client(base_model=BASE_MODEL).result()
-    prompt = types.ModelInput.from_ints(tokenizer.encode("The blue circle"))
-
-    def run(**params):
-        return sampler.sample(prompt, num_samples=params.pop("num_samples", 1),
-                              sampling_params=types.SamplingParams(**params)).result().sequences
-
-    greedy = run(max_tokens=8, temperature=0.0, stop=[])
-    assert len(greedy[0].tokens) == 8 and greedy[0].stop_reason == "length"
-    assert [s.tokens for s in run(max_tokens=8, top_k=1, seed=1, stop=[])] == [greedy[0].tokens]
-    seeded = run(max_tokens=8, seed=7, num_samples=3, stop=[])
-    assert len(seeded) == 3 and len({tuple(s.tokens) for s in seeded}) > 1
-    assert [s.tokens for s in run(max_tokens=8, seed=7, num_samples=3, stop=[])] == [s.tokens for s in seeded]
-    assert [s.tokens for s in run(max_tokens=8, seed=8, num_samples=3, stop=[])] != [s.tokens for s in seeded]
-    stop_token = greedy[0].tokens[3]
-    stopped = run(max_tokens=8, temperature=0.0, stop=[stop_token])[0]
-    assert stopped.stop_reason == "stop" and stopped.tokens[-1] == stop_token
-    assert stopped.tokens == greedy[0].tokens[:greedy[0].tokens.index(stop_token) + 1]
-    stop_text = tokenizer.decode(greedy[0].tokens[2:4])
-    by_string = run(max_tokens=8, temperature=0.0, stop=[stop_text])[0]
-    assert by_string.stop_reason == "stop" and stop_text in tokenizer.decode(by_string.tokens)
+    check_sampling_parameters(service_client.create_sampling_client(base_model=BASE_MODEL).result(), tokenizer)
 
 
 def test_prompt_logprobs_and_top_k_prompt_logprobs(service_client, trained):

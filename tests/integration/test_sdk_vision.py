@@ -196,7 +196,8 @@ def test_expected_tokens_mismatch_is_refused_on_both_paths(qwen2_vl):
     service, tc, prompts = qwen2_vl
     image = noise(64, 64, seed=12)  # 4 tokens on Qwen2-VL
     wrong = [types.EncodedTextChunk(tokens=prompts.ids("<|vision_start|>")),
-             prompts.image_chunk(image, expected_tokens=9), types.EncodedTextChunk(tokens=prompts.ids("<|vision_end|>"))]
+             prompts.image_chunk(image, expected_tokens=9),
+             types.EncodedTextChunk(tokens=prompts.ids("<|vision_end|>"))]
     datum = types.Datum(model_input=types.ModelInput(chunks=wrong),
                         loss_fn_inputs={"target_tokens": [0] * 11, "weights": [0.0] * 11})
     with pytest.raises(tinker.BadRequestError, match="Expected 9 tokens, got 4 from image"):

@@ -26,6 +26,13 @@ CLI_OPTIONS = {
     "--activation-checkpointing",
     "--microbatch-tokens",
     "--compile",
+    "--sampler",
+    "--vllm-python",
+    "--vllm-url",
+    "--vllm-max-loras",
+    "--vllm-max-lora-rank",
+    "--vllm-max-cpu-loras",
+    "--vllm-args",
 }
 DATABASE_URL_ENV = "TINKER_SERVER_DATABASE_URL"
 

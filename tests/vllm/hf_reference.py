@@ -26,7 +26,7 @@ def load_model(model_dir: Path, with_lora_wrappers: bool = False) -> torch.nn.Mo
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.eval().requires_grad_(False)
     if with_lora_wrappers:
-        apply_lora_wrappers(model, family_for(model.config.model_type))
+        _, model.lora_slot = apply_lora_wrappers(model, family_for(model.config.model_type))
     return model
 
 
@@ -66,7 +66,7 @@ def full_logprobs(model: torch.nn.Module, token_ids: list[int], images: dict[str
     kwargs = {}
     if images:
         kwargs = dict(images, mm_token_type_ids=(input_ids == model.config.image_token_id).int())
-    with torch.no_grad(), use_adapter(adapter):
+    with torch.no_grad(), use_adapter(model.lora_slot, adapter) if adapter is not None else torch.no_grad():
         return model(input_ids=input_ids, **kwargs).logits[0].float().log_softmax(dim=-1)
 
 
@@ -81,7 +81,7 @@ def teacher_forced_logprobs(model: torch.nn.Module, token_ids: list[int], images
 def write_adapter(model_dir: Path, out: Path, seed: int, *, train_unembed: bool = False, rank: int = 8) -> Path:
     """A PEFT adapter written by the trainer's checkpoint_io, with random non-zero B so it changes outputs."""
     model = load_model(model_dir)
-    targets = apply_lora_wrappers(model, family_for(model.config.model_type))
+    targets, _ = apply_lora_wrappers(model, family_for(model.config.model_type))
     targets = select_targets(targets, train_attn=True, train_mlp=True, train_unembed=train_unembed)
     adapter = LoraAdapter.initialize(targets, rank, alpha=2.0 * rank, seed=seed, device="cpu")
     generator = torch.Generator().manual_seed(seed)

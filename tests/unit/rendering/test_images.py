@@ -123,7 +123,7 @@ def test_the_cache_is_bounded_by_bytes(qwen2_vl):
 def test_png_bytes_decode_back_to_the_same_resized_pixels_which_need_no_further_resizing(vision_base):
     preparer = ImagePreparer(vision_base.vision.processor, CONFIG)
     prepared = preparer.prepare(encode(noise_image(200, 120)), "x")
-    again = preparer.prepare(prepared.png_bytes(), "y")
+    again = preparer.prepare(prepared.png_bytes, "y")
     assert torch.equal(again.pixels, prepared.pixels)
     torch.testing.assert_close(again.pixel_values, prepared.pixel_values, rtol=0, atol=0)
 

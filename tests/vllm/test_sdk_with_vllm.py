@@ -1,0 +1,155 @@
+"""`python -m server --sampler vllm`: the real SDK samples through a vLLM the server starts and supervises.
+
+Parity is the sampler/trainer consistency RL relies on: vLLM's prompt logprobs and sampled-token
+logprobs equal the trainer's `forward` logprobs (fp32: mean abs difference under 1e-4, max under
+1e-3), for text and image prompts, before and after training, with adapters loaded by path.
+Adapters that adapt lm_head (Tinker's default train_unembed=True), which vLLM cannot apply, are
+sampled by the embedded engine and must agree just the same.
+"""
+
+import numpy as np
+import pytest
+from conftest import VLLM_PYTHON
+from tinker import types
+
+from live_server import start_server
+from sdk_helpers import check_sampling_parameters, forward_logprobs
+from vision_sdk_helpers import ImagePrompts, noise
+
+ADAM = types.AdamParams(learning_rate=3e-3)
+VLLM_FLAGS = ("--sampler", "vllm", "--vllm-python", str(VLLM_PYTHON), "--vllm-max-lora-rank", "8")
+
+
+def start_vllm_server(models_dir, tmp_path_factory, family: str, *flags: str):
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"no vLLM venv at {VLLM_PYTHON.parent.parent}: run `bash scripts/install_vllm.sh`", pytrace=False)
+    data_dir = tmp_path_factory.mktemp(f"sdk-vllm-{family}")
+    return start_server(data_dir, f"sqlite:///{data_dir}/server.db", models_dir, *VLLM_FLAGS, *flags,
+                        base_model=f"builtin:tiny-{family}", startup_seconds=600)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(models_dir, tmp_path_factory):
+    # One adapter in a batch and one loaded: the eviction test below relies on it.
+    server = start_vllm_server(models_dir, tmp_path_factory, "qwen2-vl", "--vllm-max-loras", "1",
+                               "--vllm-max-cpu-loras", "1")
+    yield server
+    server.stop()
+
+
+def assert_parity(computed, expected, where: str) -> None:
+    difference = np.abs(np.asarray(computed, dtype=np.float64) - np.asarray(expected, dtype=np.float64))
+    assert difference.mean() < 1e-4 and difference.max() < 1e-3, \
+        f"{where}: mean {difference.mean():.2e}, max {difference.max():.2e}"
+
+
+def prompts_for(prompts: ImagePrompts) -> list[types.Datum]:
+    return [prompts.datum(prompts.user_turn([noise(90, 60, seed=1)], "Describe it."), "noise"),
+            prompts.datum(prompts.user_turn([noise(64, 64, seed=2), noise(120, 200, seed=3)], "Compare."), "two"),
+            prompts.datum(prompts.user_turn([], "No picture here."), "fine")]
+
+
+def check_sampler_against_trainer(sampler, tc, prompts: ImagePrompts, data: list[types.Datum], where: str) -> None:
+    """Prompt logprobs (text positions) and sampled-token logprobs of `sampler` equal tc's forward."""
+    for datum, expected in zip(data, forward_logprobs(tc, data)):
+        computed = sampler.compute_logprobs(prompts.full_sequence(datum)).result()
+        text = prompts.text_targets(datum)
+        assert_parity(np.array(computed[1:], dtype=np.float64)[text], expected[text], f"{where} prompt logprobs")
+    prompt_chunks = data[1].model_input.chunks[:-1]
+    prompt_length = types.ModelInput(chunks=prompt_chunks).length
+    sample = sampler.sample(types.ModelInput(chunks=prompt_chunks), num_samples=2,
+                            sampling_params=types.SamplingParams(max_tokens=6, seed=11, stop=[])).result()
+    for sequence in sample.sequences:
+        continued = types.ModelInput(chunks=prompt_chunks + [types.EncodedTextChunk(tokens=sequence.tokens[:-1])])
+        targets = [0] * (prompt_length - 1) + sequence.tokens
+        datum = types.Datum(model_input=continued, loss_fn_inputs={"target_tokens": targets,
+                                                                   "weights": [1.0] * len(targets)})
+        assert_parity(sequence.logprobs, forward_logprobs(tc, [datum])[0][prompt_length - 1:],
+                      f"{where} sampled-token logprobs")
+
+
+def test_adapters_loaded_by_path_agree_with_the_trainer_before_and_after_training(qwen2_vl):
+    service = qwen2_vl.service_client()
+    tc = service.create_lora_training_client(base_model="builtin:tiny-qwen2-vl", rank=8, seed=3,
+                                             train_unembed=False).result()
+    prompts = ImagePrompts(tc)
+    data = prompts_for(prompts)
+    base = service.create_sampling_client(base_model="builtin:tiny-qwen2-vl").result()
+    check_sampler_against_trainer(base, tc, prompts, data, "base model")  # a fresh adapter is the base model
+    for _ in range(3):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(ADAM).result()
+    check_sampler_against_trainer(tc.save_weights_and_get_sampling_client().result(), tc, prompts, data,
+                                  "snapshot after training")
+    named = service.create_sampling_client(model_path=tc.save_weights_for_sampler("trained").result().path).result()
+    check_sampler_against_trainer(named, tc, prompts, data, "saved checkpoint")
+    assert "checkpoint-" in (qwen2_vl.data_dir / "vllm.log").read_text()  # vLLM itself loaded it
+
+
+def test_an_adapter_on_lm_head_is_sampled_by_the_embedded_engine_and_agrees_with_the_trainer(qwen2_vl):
+    service = qwen2_vl.service_client()
+    tc = service.create_lora_training_client(base_model="builtin:tiny-qwen2-vl", rank=8, seed=4).result()
+    prompts = ImagePrompts(tc)
+    data = prompts_for(prompts)
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    check_sampler_against_trainer(tc.save_weights_and_get_sampling_client().result(), tc, prompts, data,
+                                  "lm_head adapter")
+
+
+def test_an_adapter_evicted_by_vllm_is_reloaded_and_an_overwritten_one_is_never_stale(qwen2_vl):
+    service = qwen2_vl.service_client()
+    tc = service.create_lora_training_client(base_model="builtin:tiny-qwen2-vl", rank=8, seed=6,
+                                             train_unembed=False).result()
+    prompts = ImagePrompts(tc)
+    data = prompts_for(prompts)
+    prompt = types.ModelInput(chunks=data[0].model_input.chunks[:-1])
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    first = service.create_sampling_client(model_path=tc.save_weights_for_sampler("a").result().path).result()
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    second = service.create_sampling_client(model_path=tc.save_weights_for_sampler("b").result().path).result()
+    a_before = first.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+    second.sample(prompt, num_samples=1, sampling_params=greedy).result()  # vLLM keeps one adapter: a goes
+    a_again = first.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+    assert a_again.tokens == a_before.tokens
+    np.testing.assert_allclose(a_again.logprobs, a_before.logprobs, atol=1e-6)
+    # Overwriting "a" with the current weights: a new client sees them, not vLLM's copy of the old ones.
+    overwritten = service.create_sampling_client(model_path=tc.save_weights_for_sampler("a").result().path).result()
+    check_sampler_against_trainer(overwritten, tc, prompts, data, "overwritten checkpoint")
+
+
+def test_sampling_parameters_through_vllm(qwen2_vl):
+    service = qwen2_vl.service_client()
+    # A base-model sampling client would look its tokenizer up on the hub; a training client's names
+    # the model directory.
+    tokenizer = service.create_lora_training_client(base_model="builtin:tiny-qwen2-vl", rank=8).result() \
+        .get_tokenizer()
+    check_sampling_parameters(service.create_sampling_client(base_model="builtin:tiny-qwen2-vl").result(), tokenizer)
+
+
+# Qwen2-VL is the module's server above; Qwen3-VL's engine is checked against HF with the trainer's LoRA
+# layers in test_vllm_parity.py and test_vllm_lora.py.
+@pytest.mark.parametrize("family,flags", [("qwen2.5-vl", ()),
+                                          # vLLM's MoE LoRA kernels need a GPU: on CPU it serves the base
+                                          # model and the embedded engine serves adapters.
+                                          ("qwen3-vl-moe", ("--vllm-max-loras", "0"))])
+def test_every_vlm_family_samples_through_vllm_like_its_trainer(models_dir, tmp_path_factory, family, flags):
+    server = start_vllm_server(models_dir, tmp_path_factory, family, *flags)
+    try:
+        service = server.service_client()
+        tc = service.create_lora_training_client(base_model=f"builtin:tiny-{family}", rank=8, seed=5,
+                                                 train_unembed=False).result()
+        prompts = ImagePrompts(tc)
+        data = prompts_for(prompts)
+        base = service.create_sampling_client(base_model=f"builtin:tiny-{family}").result()
+        check_sampler_against_trainer(base, tc, prompts, data, f"{family} base model")
+        for _ in range(2):
+            tc.forward_backward(data, "cross_entropy").result()
+            tc.optim_step(ADAM).result()
+        check_sampler_against_trainer(tc.save_weights_and_get_sampling_client().result(), tc, prompts, data,
+                                      f"{family} trained adapter")
+    finally:
+        server.stop()
