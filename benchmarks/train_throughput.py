@@ -210,7 +210,7 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
         for process in ranks:
             process.join(timeout=60)
         dist.destroy_process_group()
-        del trainer, base
+        trainer = base = None  # free the model before the next shape is built
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()

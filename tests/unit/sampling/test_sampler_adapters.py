@@ -19,11 +19,24 @@ def _adapter(seed: int) -> LoraAdapter:
 def test_only_the_newest_ephemeral_snapshots_of_a_run_are_kept():
     adapters = SamplerAdapters(SamplerConfig(max_ephemeral_per_model=2), "cpu")
     for index in range(4):
-        adapters.add_ephemeral(f"s:sample:{index}", "s:train:0", _adapter(index))
-    adapters.add_ephemeral("s:sample:9", "s:train:1", _adapter(9))
+        adapters.add_ephemeral(f"s:sample:{index}", "s:train:0", _adapter(index), "base")
+    adapters.add_ephemeral("s:sample:9", "s:train:1", _adapter(9), "base")
     with pytest.raises(NotFound, match="save_weights_for_sampler"):
         adapters.ephemeral("s:sample:1")
     assert adapters.ephemeral("s:sample:3") is not None and adapters.ephemeral("s:sample:9") is not None
+
+
+def test_dropped_snapshots_leave_the_disk_and_the_engine(tmp_path):
+    forgotten = []
+    adapters = SamplerAdapters(SamplerConfig(max_ephemeral_per_model=1), "cpu", snapshot_dir=tmp_path,
+                               on_forget=forgotten.append)
+    adapters.add_ephemeral("s:sample:0", "s:train:0", _adapter(0), "base")
+    first = adapters.ephemeral("s:sample:0").directory
+    assert (first / "adapter_config.json").exists()
+    adapters.add_ephemeral("s:sample:1", "s:train:0", _adapter(1), "base")
+    assert forgotten == ["s:sample:0"] and not first.exists()
+    adapters.forget_run("s:train:0")
+    assert forgotten == ["s:sample:0", "s:sample:1"] and list(tmp_path.iterdir()) == []
 
 
 def test_saved_adapters_are_reloaded_after_eviction(tmp_path):
