@@ -9,6 +9,7 @@ sampled by the embedded engine and must agree just the same.
 
 import numpy as np
 import pytest
+import tinker
 from conftest import VLLM_PYTHON
 from tinker import types
 
@@ -119,6 +120,35 @@ def test_an_adapter_evicted_by_vllm_is_reloaded_and_an_overwritten_one_is_never_
     # Overwriting "a" with the current weights: a new client sees them, not vLLM's copy of the old ones.
     overwritten = service.create_sampling_client(model_path=tc.save_weights_for_sampler("a").result().path).result()
     check_sampler_against_trainer(overwritten, tc, prompts, data, "overwritten checkpoint")
+
+
+def test_every_kind_of_image_prompt_through_vllm_and_bad_images_refused(qwen2_vl):
+    service = qwen2_vl.service_client()
+    tc = service.create_lora_training_client(base_model="builtin:tiny-qwen2-vl", rank=8, seed=7,
+                                             train_unembed=False).result()
+    prompts = ImagePrompts(tc)
+    repeated = noise(80, 80, seed=5)
+    two_turns = (prompts.user_turn([noise(64, 64, seed=10)], "What is this?")
+                 + [types.EncodedTextChunk(tokens=prompts.ids("Noise.<|im_end|>\n"))]
+                 + prompts.user_turn([noise(96, 64, seed=11)], "And this one?"))
+    data = [prompts.datum(prompts.user_turn([image], "What is it?"), "a picture")
+            for image in (noise(70, 50, seed=4).convert("L"), noise(60, 60, seed=6).convert("RGBA"),
+                          noise(50, 90, seed=7).convert("P"))]
+    data += [prompts.datum(prompts.user_turn([repeated, repeated], "Same twice?"), "yes"),
+             prompts.datum(two_turns, "More noise.")]
+    base = service.create_sampling_client(base_model="builtin:tiny-qwen2-vl").result()
+    check_sampler_against_trainer(base, tc, prompts, data, "kinds of image")
+
+    start, end = prompts.ids("<|vision_start|>"), prompts.ids("<|vision_end|>")
+    corrupt = types.ImageChunk(data=b"\x89PNG\r\n\x1a\nnot really a png", format="png", expected_tokens=4)
+    wrong_count = prompts.image_chunk(noise(64, 64, seed=12), expected_tokens=9)  # 4 tokens on Qwen2-VL
+    for chunk, message in [(corrupt, "could not be decoded"), (wrong_count, "Expected 9 tokens, got 4 from image")]:
+        prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=start), chunk,
+                                          types.EncodedTextChunk(tokens=end)])
+        with pytest.raises(tinker.BadRequestError, match=message):
+            base.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=1)).result()
+    assert base.sample(data[0].model_input, num_samples=1,
+                       sampling_params=types.SamplingParams(max_tokens=2)).result().sequences
 
 
 def test_sampling_parameters_through_vllm(qwen2_vl):
