@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from benchmarks.process_memory import process_group, rss_mib
 from server.config import ImageConfig, ModelConfig, SamplerConfig
 from server.models.loading import load_base_model
 from server.rendering.chunks import RenderContext, RenderedInput
@@ -58,32 +59,6 @@ class Result:
     peak_rss_mib: float
 
 
-def _rss_mib(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as status:
-                total += next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
-        except (FileNotFoundError, ProcessLookupError, StopIteration):
-            pass
-    return total / 1024
-
-
-def _process_group(pgid: int) -> list[int]:
-    """Every process of a process group (vLLM's API server, engine core and workers)."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    # Field 5 is the process group; the command name (field 2) may hold spaces.
-                    if int(stat.read().rsplit(")", 1)[1].split()[2]) == pgid:
-                        members.append(int(entry))
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-    return members
-
-
 class PeakRss:
     """Samples the RSS of some processes every 50 ms and keeps the maximum."""
 
@@ -95,10 +70,10 @@ class PeakRss:
 
     def _run(self):
         while not self._stop.wait(0.05):
-            self.peak = max(self.peak, _rss_mib(self.pids()))
+            self.peak = max(self.peak, rss_mib(self.pids()))
 
     def __enter__(self):
-        self.peak = _rss_mib(self.pids())
+        self.peak = rss_mib(self.pids())
         self._thread.start()
         return self
 
@@ -172,7 +147,7 @@ def main() -> None:
         engine = VLLMEngine(vllm, embedded)
 
         def group() -> list[int]:
-            return _process_group(server.pid)
+            return process_group(server.pid)
 
         for workload in workloads:
             sampling(engine)(workload.prompts[0], 1)  # warm-up

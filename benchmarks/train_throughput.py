@@ -20,8 +20,6 @@ import argparse
 import gc
 import io
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +32,7 @@ from PIL import Image
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.live_server import start_server, stop_server  # noqa: E402
 from server.config import ImageConfig, ModelConfig, ServerConfig, StoreConfig, TrainerConfig  # noqa: E402
 from server.models.image_processor import ImageProcessorSpec  # noqa: E402
 from server.models.tiny import build_tiny_model  # noqa: E402
@@ -260,35 +259,21 @@ def profile_step(step) -> None:
 
 
 def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str, dict]:
-    import httpx
     import tinker
     from tinker import types
 
     port = free_port()
     data_dir = args.work_dir / f"server-{shape}"
-    command = [sys.executable, "-m", "server", "--base-model", BASE_NAME.format(shape=shape), "--model-path",
-               str(model_dir), "--port", str(port), "--data-dir", str(data_dir), "--device", args.device,
-               "--dtype", args.dtype, "--gpus", str(args.gpus), "--microbatch-tokens", str(args.microbatch_tokens)]
+    command = ["--base-model", BASE_NAME.format(shape=shape), "--model-path", str(model_dir), "--port", str(port),
+               "--data-dir", str(data_dir), "--device", args.device, "--dtype", args.dtype, "--gpus", str(args.gpus),
+               "--microbatch-tokens", str(args.microbatch_tokens)]
     if args.activation_checkpointing:
         command.append("--activation-checkpointing")
     if args.compile:
         command.append("--compile")
-    log = (args.work_dir / f"server-{shape}.log").open("w")
-    server = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                              env=dict(os.environ, TINKER_TELEMETRY="0"))
     url = f"http://127.0.0.1:{port}"
+    server = start_server(command, args.work_dir / f"server-{shape}.log", url)
     try:
-        deadline = time.monotonic() + 900
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                log_text = (args.work_dir / f"server-{shape}.log").read_text()
-                raise RuntimeError(f"server did not start:\n{log_text[-3000:]}")
-            try:
-                if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
         service = tinker.ServiceClient(base_url=url, api_key=API_KEY)
         results = {}
         for variant in variants:
@@ -313,11 +298,7 @@ def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str,
                                           peak_memory=device_memory_in_use if args.device == "cuda" else None)
         return results
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
 
 
 # -- report --------------------------------------------------------------------------------------------

@@ -166,6 +166,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="datums per forward_backward request that clients send (SDK default 1024)")
     parser.add_argument("--image-root", type=Path, default=None,
                         help="directory that image_asset_pointer chunks may name files in (default: refused)")
+    parser.add_argument("--image-cache-mb", type=int, default=ImageConfig.decoded_cache_bytes >> 20,
+                        help="decoded images kept by content hash (least recently used ones are dropped)")
+    parser.add_argument("--feature-cache-mb", type=int, default=ImageConfig.feature_cache_bytes >> 20,
+                        help="vision-tower outputs kept by content hash, per model copy")
     parser.add_argument("--session-timeout", type=float, default=LimitsConfig.session_timeout_seconds,
                         help="seconds without a heartbeat after which a session is finished and its runs unloaded")
     parser.add_argument("--gpus", type=int, default=1,
@@ -203,7 +207,9 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                           model_cache_dir=data_dir / "models", device=args.device, dtype=args.dtype),
         store=StoreConfig(database_url=database_url, checkpoint_dir=data_dir / "checkpoints"),
         host=args.host, port=args.port, data_dir=data_dir,
-        images=ImageConfig(image_root=args.image_root.resolve() if args.image_root else None),
+        images=ImageConfig(image_root=args.image_root.resolve() if args.image_root else None,
+                           decoded_cache_bytes=args.image_cache_mb << 20,
+                           feature_cache_bytes=args.feature_cache_mb << 20),
         limits=LimitsConfig(session_timeout_seconds=args.session_timeout),
         trainer=TrainerConfig(local_ranks=args.gpus, activation_checkpointing=args.activation_checkpointing,
                               max_tokens_per_microbatch=args.microbatch_tokens, compile=args.compile,

@@ -17,6 +17,9 @@ from server.rendering.images import PreparedImage
 
 # Per image, each field of the vision output: a tensor, or one tensor per deepstack layer.
 ImageFeatures = dict[str, torch.Tensor | list[torch.Tensor]]
+# What a cached tensor costs besides its data (the Python object, its TensorImpl and storage, the
+# entry's dict): counted so that a small model's tiny features are bounded by what they really hold.
+TENSOR_OVERHEAD_BYTES = 1024
 
 
 class VisionEncoder:
@@ -82,4 +85,4 @@ class VisionEncoder:
 
 def _nbytes(features: ImageFeatures) -> int:
     tensors = [t for value in features.values() for t in (value if isinstance(value, list) else [value])]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() + TENSOR_OVERHEAD_BYTES for t in tensors)

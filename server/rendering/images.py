@@ -70,10 +70,11 @@ class PreparedImage:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the pixels, and the pixel values once derived (the caches count them up front)."""
+        """Bytes held: the pixels, and the pixel values and PNG once derived (the caches count them up
+        front; a PNG of these pixels is about their size at most)."""
         _, grid_h, grid_w = self.grid_thw
         spec = self.processor
-        return self.pixels.numel() + grid_h * grid_w * 3 * spec.temporal_patch_size * spec.patch_size ** 2 * 4
+        return 2 * self.pixels.numel() + grid_h * grid_w * 3 * spec.temporal_patch_size * spec.patch_size ** 2 * 4
 
     @functools.cached_property
     def png_bytes(self) -> bytes:

@@ -21,6 +21,8 @@ CLI_OPTIONS = {
     "--dtype",
     "--fwdbwd-chunk-len",
     "--image-root",
+    "--image-cache-mb",
+    "--feature-cache-mb",
     "--session-timeout",
     "--gpus",
     "--activation-checkpointing",
@@ -96,3 +98,9 @@ def test_a_bad_dtype_is_rejected_by_the_cli_and_by_the_model_config(capsys, tmp_
     assert "--dtype" in capsys.readouterr().err
     with pytest.raises(ValueError, match="dtype"):
         ModelConfig(base_model="builtin:tiny-qwen3", model_path=None, model_cache_dir=Path(tmp_path), dtype="int8")
+
+
+def test_image_cache_sizes_are_given_in_mebibytes():
+    config = parse_config(["--base-model", "builtin:tiny-qwen2-vl", "--image-cache-mb", "64",
+                           "--feature-cache-mb", "16"])
+    assert (config.images.decoded_cache_bytes, config.images.feature_cache_bytes) == (64 << 20, 16 << 20)
