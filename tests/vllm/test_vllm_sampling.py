@@ -157,7 +157,8 @@ def test_concurrent_requests_are_decoded_together_not_one_after_another(qwen2_vl
         thread.start()
     for thread in threads:
         thread.join()
-    assert time.monotonic() - started < 2 * single, "four requests took about four times one"
+    # One after another would take four times one; the margin absorbs a loaded 2-core box.
+    assert time.monotonic() - started < 3 * single, "four requests took about four times one"
 
 
 def test_a_short_request_sent_during_a_long_one_finishes_first(qwen2_vl, prompt):
