@@ -38,6 +38,14 @@ def qwen2_vl(models_dir, tmp_path_factory):
     server.stop()
 
 
+def lora_client(server, seed: int):
+    """A service client, a Qwen2-VL LoRA training client without lm_head (which vLLM serves) and its prompts."""
+    service = server.service_client()
+    tc = service.create_lora_training_client(base_model="builtin:tiny-qwen2-vl", rank=8, seed=seed,
+                                             train_unembed=False).result()
+    return service, tc, ImagePrompts(tc)
+
+
 def assert_parity(computed, expected, where: str) -> None:
     difference = np.abs(np.asarray(computed, dtype=np.float64) - np.asarray(expected, dtype=np.float64))
     assert difference.mean() < 1e-4 and difference.max() < 1e-3, \
@@ -70,10 +78,7 @@ def check_sampler_against_trainer(sampler, tc, prompts: ImagePrompts, data: list
 
 
 def test_adapters_loaded_by_path_agree_with_the_trainer_before_and_after_training(qwen2_vl):
-    service = qwen2_vl.service_client()
-    tc = service.create_lora_training_client(base_model="builtin:tiny-qwen2-vl", rank=8, seed=3,
-                                             train_unembed=False).result()
-    prompts = ImagePrompts(tc)
+    service, tc, prompts = lora_client(qwen2_vl, seed=3)
     data = prompts_for(prompts)
     base = service.create_sampling_client(base_model="builtin:tiny-qwen2-vl").result()
     check_sampler_against_trainer(base, tc, prompts, data, "base model")  # a fresh adapter is the base model
@@ -99,10 +104,7 @@ def test_an_adapter_on_lm_head_is_sampled_by_the_embedded_engine_and_agrees_with
 
 
 def test_an_adapter_evicted_by_vllm_is_reloaded_and_an_overwritten_one_is_never_stale(qwen2_vl):
-    service = qwen2_vl.service_client()
-    tc = service.create_lora_training_client(base_model="builtin:tiny-qwen2-vl", rank=8, seed=6,
-                                             train_unembed=False).result()
-    prompts = ImagePrompts(tc)
+    service, tc, prompts = lora_client(qwen2_vl, seed=6)
     data = prompts_for(prompts)
     prompt = types.ModelInput(chunks=data[0].model_input.chunks[:-1])
     greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
@@ -123,10 +125,7 @@ def test_an_adapter_evicted_by_vllm_is_reloaded_and_an_overwritten_one_is_never_
 
 
 def test_every_kind_of_image_prompt_through_vllm_and_bad_images_refused(qwen2_vl):
-    service = qwen2_vl.service_client()
-    tc = service.create_lora_training_client(base_model="builtin:tiny-qwen2-vl", rank=8, seed=7,
-                                             train_unembed=False).result()
-    prompts = ImagePrompts(tc)
+    service, tc, prompts = lora_client(qwen2_vl, seed=7)
     repeated = noise(80, 80, seed=5)
     two_turns = (prompts.user_turn([noise(64, 64, seed=10)], "What is this?")
                  + [types.EncodedTextChunk(tokens=prompts.ids("Noise.<|im_end|>\n"))]
