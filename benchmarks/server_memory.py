@@ -14,7 +14,6 @@ half of the run, when every bounded cache is full.
 
 import argparse
 import io
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from PIL import Image
 from tinker import types
 from transformers import AutoImageProcessor
 
-from benchmarks.live_server import start_server, stop_server
+from tests.support.live_server import start_server
 from benchmarks.process_memory import process_tree, rss_mib
 
 
@@ -70,15 +69,12 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args()
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="server-memory-"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
     base_model = f"builtin:tiny-{args.family}"
     # Small image caches, so that they fill early in the run and the second half shows the steady state.
-    server = start_server(["--base-model", base_model, "--port", str(port), "--data-dir", str(work_dir),
-                           "--image-cache-mb", str(args.image_cache_mb), "--feature-cache-mb",
-                           str(args.feature_cache_mb)], work_dir / "server.log", url)
+    server = start_server(work_dir, None, None, "--image-cache-mb", str(args.image_cache_mb),
+                          "--feature-cache-mb", str(args.feature_cache_mb), base_model=base_model,
+                          startup_seconds=900)
+    url = server.url
     rows = []
     requests = 0
     try:
@@ -108,10 +104,11 @@ def main() -> None:
                 other.close("success").result()  # ends its session: the server unloads its run
                 requests += 5  # save_weights_for_sampler, create_session, create_model, forward_backward, finish
             if index == 0 or (index + 1) % max(1, args.rounds // 10) == 0:
-                rows.append((index + 1, requests, time.perf_counter() - started, rss_mib(process_tree(server.pid))))
+                rss = rss_mib(process_tree(server.process.pid))
+                rows.append((index + 1, requests, time.perf_counter() - started, rss))
                 print(f"round {index + 1}: {requests} requests, RSS {rows[-1][3]:.0f} MiB", flush=True)
     finally:
-        stop_server(server)
+        server.stop(timeout=120)
 
     print(f"\ntiny {args.family}, embedded sampler, SQLite, --image-cache-mb {args.image_cache_mb} "
           f"--feature-cache-mb {args.feature_cache_mb}; one new {args.image_size}x{args.image_size} image per round\n")

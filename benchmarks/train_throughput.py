@@ -32,7 +32,7 @@ from PIL import Image
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.live_server import start_server, stop_server  # noqa: E402
+from tests.support.live_server import start_server  # noqa: E402
 from server.config import ImageConfig, ModelConfig, ServerConfig, StoreConfig, TrainerConfig  # noqa: E402
 from server.models.image_processor import ImageProcessorSpec  # noqa: E402
 from server.models.tiny import build_tiny_model  # noqa: E402
@@ -262,17 +262,16 @@ def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str,
     import tinker
     from tinker import types
 
-    port = free_port()
     data_dir = args.work_dir / f"server-{shape}"
-    command = ["--base-model", BASE_NAME.format(shape=shape), "--model-path", str(model_dir), "--port", str(port),
-               "--data-dir", str(data_dir), "--device", args.device, "--dtype", args.dtype, "--gpus", str(args.gpus),
+    command = ["--model-path", str(model_dir), "--device", args.device, "--dtype", args.dtype, "--gpus", str(args.gpus),
                "--microbatch-tokens", str(args.microbatch_tokens)]
     if args.activation_checkpointing:
         command.append("--activation-checkpointing")
     if args.compile:
         command.append("--compile")
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(command, args.work_dir / f"server-{shape}.log", url)
+    server = start_server(data_dir, None, None, *command, base_model=BASE_NAME.format(shape=shape),
+                          startup_seconds=900)
+    url = server.url
     try:
         service = tinker.ServiceClient(base_url=url, api_key=API_KEY)
         results = {}
@@ -298,7 +297,7 @@ def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str,
                                           peak_memory=device_memory_in_use if args.device == "cuda" else None)
         return results
     finally:
-        stop_server(server)
+        server.stop(timeout=120)
 
 
 # -- report --------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 The count comes from the model's own image processor, read from its directory (the path a
 self-hosted server reports as get_info's tokenizer_id), exactly as the cookbook's renderers
-compute it: no hub, no server call. PNG keeps the pixels; JPEG is smaller for photographs.
+compute it: no hub, no server call. PNG keeps the pixels and the image's mode (the server turns
+every mode into RGB); JPEG is smaller for photographs. The one builder of image chunks in the project.
 """
 
 import io
@@ -25,10 +26,10 @@ class ImageChunker:
         return patches // self.processor.merge_size ** 2
 
     def chunk(self, image: Image.Image, image_format: str = "png") -> types.ImageChunk:
-        """The image encoded as PNG or JPEG (converted to RGB first, which JPEG needs anyway)."""
+        """The image encoded as PNG (any mode) or JPEG (converted to RGB, which JPEG needs)."""
         if image_format not in ("png", "jpeg"):
             raise ValueError(f"image_format must be png or jpeg, got {image_format!r}")
         buffer = io.BytesIO()
-        image.convert("RGB").save(buffer, format=image_format.upper())
+        (image if image_format == "png" else image.convert("RGB")).save(buffer, format=image_format.upper())
         return types.ImageChunk(data=buffer.getvalue(), format=image_format,
                                 expected_tokens=self.num_tokens(image.width, image.height))

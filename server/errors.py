@@ -20,6 +20,13 @@ class InvalidRequest(TinkerServerError, ValueError):
     category = "user"
 
 
+class Unauthorized(TinkerServerError, PermissionError):
+    """The request carries no valid API key."""
+
+    status_code = 401
+    category = "user"
+
+
 class NotFound(TinkerServerError, LookupError):
     """The named session, model, sampler, future or checkpoint does not exist."""
 

@@ -1,6 +1,8 @@
-"""What every route needs: the server's services, the caller's tenant, bounded body reading, ids.
+"""What every route needs: the server's services, the caller's tenant, bounded body reading, ids,
+the lookups of the caller's resources (404 where they are not the caller's) and the record builders.
 
-Routes stay thin: they validate, look things up here, and hand work to the scheduler.
+Routes stay thin: they validate, look things up here, and hand work to the scheduler. Route modules
+import this module, never each other.
 """
 
 import asyncio
@@ -16,23 +18,21 @@ from fastapi import Depends, Header, Request
 from pydantic import BaseModel
 
 from server.config import ServerConfig
-from server.errors import NotFound, PayloadTooLarge, TinkerServerError
+from server.errors import InvalidRequest, NotFound, PayloadTooLarge, TinkerServerError, Unauthorized
 from server.models.loading import LoadedModel
 from server.rendering.chunks import RenderContext
 from server.rendering.sampling import VLLMRenderer
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.engine import EmbeddedEngine, VLLMEngine, checkpoint_adapter_name
 from server.scheduler.scheduler import Scheduler, Work
-from server.store.store import CheckpointRecord, SessionRecord, Store, TrainingRunRecord
+from server.store.checkpoints import parse_tinker_path
+from server.store.store import (CheckpointRecord, SamplingSessionRecord, SessionRecord, Store,
+                                TrainingRunRecord)
 from server.training.trainer import Trainer
+from server.wire.types import LoraConfig, OptimizerConfig
 
 JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
-
-
-class Unauthorized(TinkerServerError, PermissionError):
-    status_code = 401
-    category = "user"
 
 
 @dataclass
@@ -106,6 +106,64 @@ def run_of(store: Store, model_id: str, owner: str) -> TrainingRunRecord:
     if run is None or run.owner != owner:
         raise NotFound(f"no model {model_id}")
     return run
+
+
+def checkpoint_of(services: Services, path: str, owner: str) -> CheckpointRecord:
+    """The caller's checkpoint behind a tinker:// path, or 404."""
+    tinker_path = parse_tinker_path(path)
+    record = services.store.get_checkpoint(str(tinker_path))
+    if record is None or record.owner != owner:
+        raise NotFound(f"no checkpoint {path}")
+    return record
+
+
+def sampler_of(services: Services, sampling_session_id: str, owner: str) -> SamplingSessionRecord:
+    """The caller's sampling session, or 404."""
+    record = services.store.get_sampling_session(sampling_session_id)
+    if record is None or record.owner != owner:
+        raise NotFound(f"no sampling session {sampling_session_id}")
+    return record
+
+
+def check_base_model(services: Services, base_model: str | None) -> None:
+    if base_model is not None and base_model != services.base.name:
+        raise InvalidRequest(f"base_model {base_model!r} is not served here; this server serves "
+                             f"{services.base.name!r}")
+
+
+def check_optimizer(config: OptimizerConfig | None) -> None:
+    if config is not None and config.type != "adamw":
+        raise InvalidRequest(f"optimizer {config.type!r} is not supported; use adamw")
+
+
+def model_id_for(session_id: str, model_seq_id: int) -> str:
+    """The SDK builds this id on its own side for create-via-load, so it must be exactly this."""
+    return f"{session_id}:train:{model_seq_id}"
+
+
+def sampling_session_id_for(session_id: str, sampling_session_seq_id: int) -> str:
+    return f"{session_id}:sample:{sampling_session_seq_id}"
+
+
+def training_run_record(services: Services, *, session_id: str, model_seq_id: int, owner: str, lora: LoraConfig,
+                        user_metadata: dict | None) -> TrainingRunRecord:
+    """The journal's record of a new training run (create_model or create-via-load)."""
+    return TrainingRunRecord(
+        model_id=model_id_for(session_id, model_seq_id), session_id=session_id, owner=owner,
+        base_model=services.base.name, model_seq_id=model_seq_id, lora_rank=lora.rank, seed=lora.seed,
+        train_mlp=lora.train_mlp, train_attn=lora.train_attn, train_unembed=lora.train_unembed,
+        user_metadata=string_map(user_metadata))
+
+
+def ensure_sampling_session(services: Services, *, session_id: str, sampling_session_seq_id: int, owner: str,
+                            model_path: str | None = None, source_model_id: str | None = None) -> str:
+    """Journal a sampling session unless a retry already did; returns its id."""
+    sampling_session_id = sampling_session_id_for(session_id, sampling_session_seq_id)
+    if services.store.get_sampling_session(sampling_session_id) is None:
+        services.store.create_sampling_session(SamplingSessionRecord(
+            sampling_session_id=sampling_session_id, session_id=session_id, owner=owner,
+            base_model=services.base.name, model_path=model_path, source_model_id=source_model_id))
+    return sampling_session_id
 
 
 async def submit_training_op(services: Services, *, model_id: str, seq_id: int | None, request_type: str,

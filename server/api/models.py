@@ -5,16 +5,16 @@ from fastapi import APIRouter, Request
 from server.api.deps import (
     OwnerDep,
     ServicesDep,
+    check_base_model,
+    check_optimizer,
     json_result,
     read_body,
     run_of,
     session_of,
-    string_map,
     submit_training_op,
+    training_run_record,
 )
-from server.errors import InvalidRequest
 from server.scheduler.scheduler import CREATION_SEQ_ID
-from server.store.store import TrainingRunRecord
 from server.wire.types import (
     CreateModelRequest,
     CreateModelResponse,
@@ -31,22 +31,6 @@ from server.wire.types import (
 router = APIRouter(prefix="/api/v1")
 
 
-def model_id_for(session_id: str, model_seq_id: int) -> str:
-    """The SDK builds this id on its own side for create-via-load, so it must be exactly this."""
-    return f"{session_id}:train:{model_seq_id}"
-
-
-def check_base_model(services, base_model: str | None) -> None:
-    if base_model is not None and base_model != services.base.name:
-        raise InvalidRequest(f"base_model {base_model!r} is not served here; this server serves "
-                             f"{services.base.name!r}")
-
-
-def check_optimizer(config: OptimizerConfig | None) -> None:
-    if config is not None and config.type != "adamw":
-        raise InvalidRequest(f"optimizer {config.type!r} is not supported; use adamw")
-
-
 @router.post("/create_model")
 async def create_model(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
     """Start a LoRA training run on the served base model."""
@@ -55,16 +39,13 @@ async def create_model(request: Request, services: ServicesDep, owner: OwnerDep)
     session_of(services.store, create.session_id, owner)
     check_base_model(services, create.base_model)
     check_optimizer(create.optimizer_config)
-    model_id = model_id_for(create.session_id, create.model_seq_id)
-    lora = create.lora_config
+    record = training_run_record(services, session_id=create.session_id, model_seq_id=create.model_seq_id,
+                                 owner=owner, lora=create.lora_config, user_metadata=create.user_metadata)
+    model_id = record.model_id
 
     def work():
-        services.trainer.create_model(model_id, lora)
-        services.store.create_training_run(TrainingRunRecord(
-            model_id=model_id, session_id=create.session_id, owner=owner, base_model=services.base.name,
-            model_seq_id=create.model_seq_id, lora_rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
-            train_attn=lora.train_attn, train_unembed=lora.train_unembed,
-            user_metadata=string_map(create.user_metadata)))
+        services.trainer.create_model(model_id, create.lora_config)
+        services.store.create_training_run(record)
         return json_result(CreateModelResponse(model_id=model_id))
 
     request_id = await submit_training_op(services, model_id=model_id, seq_id=CREATION_SEQ_ID,

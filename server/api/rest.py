@@ -6,8 +6,7 @@ from datetime import timedelta
 from fastapi import APIRouter, Query
 from pydantic import BaseModel
 
-from server.api.deps import OwnerDep, Services, ServicesDep, forget_checkpoint, run_of
-from server.api.weights import checkpoint_of
+from server.api.deps import OwnerDep, Services, ServicesDep, checkpoint_of, forget_checkpoint, run_of
 from server.errors import InvalidRequest
 from server.store.checkpoints import SCHEME
 from server.store.store import CheckpointRecord, TrainingRunRecord, utcnow

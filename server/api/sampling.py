@@ -10,14 +10,16 @@ from server.api.deps import (
     OwnerDep,
     Services,
     ServicesDep,
+    check_base_model,
+    checkpoint_of,
+    ensure_sampling_session,
     new_request_id,
     payload_hash,
     read_body,
+    sampler_of,
     session_of,
 )
-from server.api.models import check_base_model
-from server.api.weights import checkpoint_of
-from server.errors import InvalidRequest, NotFound, PayloadTooLarge
+from server.errors import InvalidRequest, PayloadTooLarge
 from server.sampling.engine import AdapterRef, checkpoint_adapter_name
 from server.sampling.types import SamplingOptions
 from server.store.store import SamplingSessionRecord
@@ -35,13 +37,6 @@ router = APIRouter(prefix="/api/v1")
 MAX_NUM_SAMPLES = 256
 
 
-def sampler_of(services: Services, sampling_session_id: str, owner: str) -> SamplingSessionRecord:
-    record = services.store.get_sampling_session(sampling_session_id)
-    if record is None or record.owner != owner:
-        raise NotFound(f"no sampling session {sampling_session_id}")
-    return record
-
-
 @router.post("/create_sampling_session")
 async def create_sampling_session(body: CreateSamplingSessionRequest, services: ServicesDep,
                                   owner: OwnerDep) -> CreateSamplingSessionResponse:
@@ -50,11 +45,9 @@ async def create_sampling_session(body: CreateSamplingSessionRequest, services: 
     check_base_model(services, body.base_model)
     if body.model_path is not None:
         checkpoint_of(services, body.model_path, owner)
-    sampling_session_id = f"{body.session_id}:sample:{body.sampling_session_seq_id}"
-    if services.store.get_sampling_session(sampling_session_id) is None:
-        services.store.create_sampling_session(SamplingSessionRecord(
-            sampling_session_id=sampling_session_id, session_id=body.session_id, owner=owner,
-            base_model=services.base.name, model_path=body.model_path))
+    sampling_session_id = ensure_sampling_session(services, session_id=body.session_id,
+                                                  sampling_session_seq_id=body.sampling_session_seq_id, owner=owner,
+                                                  model_path=body.model_path)
     return CreateSamplingSessionResponse(sampling_session_id=sampling_session_id)
 
 

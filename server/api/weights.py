@@ -9,19 +9,24 @@ from server.api.deps import (
     OwnerDep,
     Services,
     ServicesDep,
+    check_base_model,
+    check_optimizer,
+    checkpoint_of,
+    ensure_sampling_session,
     forget_checkpoint,
     json_result,
+    model_id_for,
     read_body,
     run_of,
+    sampling_session_id_for,
     session_of,
-    string_map,
     submit_training_op,
+    training_run_record,
 )
-from server.api.models import check_base_model, check_optimizer, model_id_for
-from server.errors import InvalidRequest, NotFound
+from server.errors import InvalidRequest
 from server.scheduler.scheduler import CREATION_SEQ_ID
 from server.store.checkpoints import TinkerPath, parse_tinker_path
-from server.store.store import CheckpointRecord, SamplingSessionRecord, TrainingRunRecord, utcnow
+from server.store.store import CheckpointRecord, TrainingRunRecord, utcnow
 from server.wire.types import (
     LoadWeightsRequest,
     LoadWeightsResponse,
@@ -35,15 +40,6 @@ from server.wire.types import (
 )
 
 router = APIRouter(prefix="/api/v1")
-
-
-def checkpoint_of(services: Services, path: str, owner: str) -> CheckpointRecord:
-    """The caller's checkpoint behind a tinker:// path, or 404."""
-    tinker_path = parse_tinker_path(path)
-    record = services.store.get_checkpoint(str(tinker_path))
-    if record is None or record.owner != owner:
-        raise NotFound(f"no checkpoint {path}")
-    return record
 
 
 def _save(services: Services, run: TrainingRunRecord, tinker_path: TinkerPath, *, overwrite: bool,
@@ -112,13 +108,11 @@ async def save_weights_for_sampler(request: Request, services: ServicesDep, owne
         return work
 
     def ephemeral_work():
-        sampling_session_id = f"{run.session_id}:sample:{save.sampling_session_seq_id}"
+        sampling_session_id = sampling_session_id_for(run.session_id, save.sampling_session_seq_id)
         services.adapters.add_ephemeral(sampling_session_id, run.model_id, services.trainer.snapshot(run.model_id),
                                         services.base.name)
-        if services.store.get_sampling_session(sampling_session_id) is None:
-            services.store.create_sampling_session(SamplingSessionRecord(
-                sampling_session_id=sampling_session_id, session_id=run.session_id, owner=owner,
-                base_model=services.base.name, model_path=None, source_model_id=run.model_id))
+        ensure_sampling_session(services, session_id=run.session_id, owner=owner, source_model_id=run.model_id,
+                                sampling_session_seq_id=save.sampling_session_seq_id)
         return json_result(SaveWeightsForSamplerResponse(sampling_session_id=sampling_session_id))
 
     request_id = await submit_training_op(services, model_id=run.model_id, seq_id=save.seq_id,
@@ -154,11 +148,9 @@ async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep)
 
             def work():
                 lora = services.trainer.create_model_from_checkpoint(model_id, checkpoint.directory, load.optimizer)
-                services.store.create_training_run(TrainingRunRecord(
-                    model_id=model_id, session_id=load.session_id, owner=owner, base_model=services.base.name,
-                    model_seq_id=load.model_seq_id, lora_rank=lora.rank, seed=lora.seed, train_mlp=lora.train_mlp,
-                    train_attn=lora.train_attn, train_unembed=lora.train_unembed,
-                    user_metadata=string_map(load.user_metadata)))
+                services.store.create_training_run(training_run_record(
+                    services, session_id=load.session_id, model_seq_id=load.model_seq_id, owner=owner, lora=lora,
+                    user_metadata=load.user_metadata))
                 return json_result(LoadWeightsResponse(path=load.path, model_id=model_id))
 
             return work

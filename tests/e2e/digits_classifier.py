@@ -11,7 +11,6 @@ accuracy per eval) and a PNG plot to --log-dir.
 """
 
 import argparse
-import io
 import json
 import time
 from pathlib import Path
@@ -21,7 +20,8 @@ import tinker
 from PIL import Image
 from sklearn.datasets import load_digits
 from tinker import types
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from client_compat.images import ImageChunker
 
 QUESTION = "What digit is this?"
 
@@ -52,16 +52,9 @@ def digit_png(pixels_8x8: np.ndarray, size: int) -> Image.Image:
 class Renderer:
     """Qwen-style chat turns as chunk lists, with image chunks as the cookbook's renderers build them."""
 
-    def __init__(self, tokenizer, processor):
+    def __init__(self, tokenizer, chunker: ImageChunker):
         self.tokenizer = tokenizer
-        self.processor = processor
-
-    def image_chunk(self, image: Image.Image) -> types.ImageChunk:
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        patches = self.processor.get_number_of_image_patches(image.height, image.width, {})
-        return types.ImageChunk(data=buffer.getvalue(), format="png",
-                                expected_tokens=patches // self.processor.merge_size ** 2)
+        self.image_chunk = chunker.chunk
 
     def prompt(self, image: Image.Image) -> list:
         encode = self.tokenizer.encode
@@ -139,8 +132,7 @@ def main() -> None:
 
     service = tinker.ServiceClient(base_url=args.base_url)
     training = service.create_lora_training_client(base_model=args.base_model, rank=args.rank, seed=args.seed).result()
-    processor = Qwen2VLImageProcessorPil.from_pretrained(training.get_info().model_data.tokenizer_id)
-    renderer = Renderer(training.get_tokenizer(), processor)
+    renderer = Renderer(training.get_tokenizer(), ImageChunker(training.get_info().model_data.tokenizer_id))
     train_data = [renderer.datum(images[i], int(digits.target[i])) for i in train_index]
     test_images, test_labels = [images[i] for i in test_index], [int(digits.target[i]) for i in test_index]
     nll_data = [renderer.datum(images[i], int(digits.target[i])) for i in test_index[:args.num_nll_eval]]

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from live_server import API_KEY, start_server
+from support.live_server import API_KEY, start_server
 
 SCRIPT = Path(__file__).with_name("digits_classifier.py")
 TIME_LIMIT_SECONDS = 15 * 60

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from data_parallel import train_with_one_and_two_ranks
+from support.data_parallel import train_with_one_and_two_ranks
 
 pytestmark = pytest.mark.gpu
 

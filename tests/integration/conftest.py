@@ -13,7 +13,7 @@ import sqlalchemy as sa
 import tinker
 from psycopg import sql
 
-from live_server import LiveServer, start_server
+from support.live_server import LiveServer, start_server
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgresql"])

@@ -22,7 +22,7 @@ import tinker
 import tinker_cookbook
 
 from cookbook_data import write_caltech101, write_hh_rlhf
-from live_server import API_KEY, LiveServer, start_server
+from support.live_server import API_KEY, LiveServer, start_server
 from server.models.tiny import ensure_builtin_model
 
 TEXT_MODEL = "Qwen/Qwen3-8B"  # model_info: renderer qwen3; served by the tiny qwen3

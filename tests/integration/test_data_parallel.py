@@ -4,7 +4,7 @@ and adapter as one training process: the FSDP2 path is the same code at every wo
 import numpy as np
 import pytest
 
-from data_parallel import train_with_one_and_two_ranks
+from support.data_parallel import train_with_one_and_two_ranks
 
 
 @pytest.fixture(scope="module")

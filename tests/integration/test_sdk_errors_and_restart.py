@@ -9,8 +9,8 @@ import pytest
 import tinker
 from tinker import types
 
-from live_server import API_KEY, BASE_MODEL, start_server
-from sdk_helpers import SENTENCES, forward_logprobs, prompt_of, supervised_datum
+from support.live_server import API_KEY, BASE_MODEL, start_server
+from support.sdk import SENTENCES, forward_logprobs, prompt_of, supervised_datum
 
 
 @pytest.fixture(scope="module")

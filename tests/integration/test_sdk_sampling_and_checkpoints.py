@@ -7,8 +7,8 @@ import tinker
 import torch
 from tinker import types
 
-from live_server import BASE_MODEL
-from sdk_helpers import SENTENCES, check_sampling_parameters, forward_logprobs, prompt_of, supervised_datum
+from support.live_server import BASE_MODEL
+from support.sdk import SENTENCES, check_sampling_parameters, forward_logprobs, prompt_of, supervised_datum
 
 ADAM = types.AdamParams(learning_rate=5e-3)
 

@@ -9,9 +9,9 @@ import torch
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from sdk_helpers import SENTENCES, forward_logprobs, prompt_of, supervised_datum
+from support.sdk import SENTENCES, forward_logprobs, prompt_of, supervised_datum
 
-from live_server import API_KEY, BASE_MODEL, start_server
+from support.live_server import API_KEY, BASE_MODEL, start_server
 
 ADAM = types.AdamParams(learning_rate=5e-3)
 

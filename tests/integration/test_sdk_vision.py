@@ -9,9 +9,9 @@ import tinker
 from PIL import Image
 from tinker import types
 
-from live_server import start_server
-from sdk_helpers import forward_logprobs
-from vision_sdk_helpers import COLOURS, QUESTION, ImagePrompts, noise, square
+from support.live_server import start_server
+from support.sdk import forward_logprobs
+from support.vision_sdk import COLOURS, QUESTION, ImagePrompts, noise, square
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe"]
 ADAM = types.AdamParams(learning_rate=3e-3)

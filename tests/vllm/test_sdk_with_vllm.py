@@ -13,9 +13,9 @@ import tinker
 from conftest import VLLM_PYTHON
 from tinker import types
 
-from live_server import start_server
-from sdk_helpers import check_sampling_parameters, forward_logprobs
-from vision_sdk_helpers import ImagePrompts, noise
+from support.live_server import start_server
+from support.sdk import check_sampling_parameters, forward_logprobs
+from support.vision_sdk import ImagePrompts, noise
 
 ADAM = types.AdamParams(learning_rate=3e-3)
 VLLM_FLAGS = ("--sampler", "vllm", "--vllm-python", str(VLLM_PYTHON), "--vllm-max-lora-rank", "8")

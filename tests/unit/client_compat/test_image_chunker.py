@@ -7,7 +7,7 @@ from client_compat.images import ImageChunker
 from server.config import ImageConfig
 from server.rendering.images import ImagePreparer
 
-from vision_helpers import VISION_MODELS, load
+from support.vision import VISION_MODELS, load
 
 
 def test_chunks_carry_the_token_count_the_server_computes(models_dir):

@@ -4,7 +4,7 @@ import pytest
 
 from server.models.loading import LoadedModel
 
-from vision_helpers import VISION_MODELS, load
+from support.vision import VISION_MODELS, load
 
 
 @pytest.fixture(scope="session", params=VISION_MODELS)

@@ -12,7 +12,7 @@ from server.errors import InvalidRequest
 from server.rendering import images as images_module
 from server.rendering.images import ImagePreparer, decode_rgb
 
-from vision_helpers import encode, noise_image
+from support.vision import encode, noise_image
 
 CONFIG = ImageConfig()
 

@@ -9,7 +9,7 @@ from server.rendering.chunks import RenderContext, position_ids, render_model_in
 from server.rendering.training import render_training_datum
 from server.wire.types import Datum, EncodedTextChunk, ImageAssetPointerChunk, ImageChunk, ModelInput
 
-from vision_helpers import context_for, encode, noise_image
+from support.vision import context_for, encode, noise_image
 
 VOCAB = 100
 CONTEXT = RenderContext(vocab_size=VOCAB, max_length=64, vision=None, images=None)

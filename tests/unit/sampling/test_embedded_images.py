@@ -10,7 +10,7 @@ from server.rendering.chunks import render_model_input
 from server.sampling.embedded import EmbeddedSampler, SamplingOptions
 from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
 
-from vision_helpers import context_for, encode, load, noise_image
+from support.vision import context_for, encode, load, noise_image
 
 
 @pytest.fixture(scope="module", params=["builtin:tiny-qwen2-vl", "builtin:tiny-qwen3-vl"])

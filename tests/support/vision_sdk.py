@@ -1,16 +1,16 @@
 """Image prompts built the way a Tinker client (the cookbook's renderers) builds them, with the real SDK.
 
-expected_tokens comes from transformers' own image processor loaded from the model directory the
-server reports (get_info's tokenizer_id), as the cookbook does: never from the server's code.
+expected_tokens comes from client_compat's ImageChunker, which reads transformers' own image
+processor from the model directory the server reports (get_info's tokenizer_id), as the cookbook
+does: never from the server's code.
 """
-
-import io
 
 import numpy as np
 import tinker
 from PIL import Image
 from tinker import types
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from client_compat.images import ImageChunker
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
 QUESTION = "What colour is this square?"
@@ -21,18 +21,18 @@ class ImagePrompts:
 
     def __init__(self, training_client: tinker.TrainingClient):
         self.tokenizer = training_client.get_tokenizer()
-        self.processor = Qwen2VLImageProcessorPil.from_pretrained(training_client.get_info().model_data.tokenizer_id)
+        self.chunker = ImageChunker(training_client.get_info().model_data.tokenizer_id)
 
     def ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def image_chunk(self, image: Image.Image, image_format: str = "png", expected_tokens: int | None = None):
-        buffer = io.BytesIO()
-        image.save(buffer, format=image_format.upper())
-        if expected_tokens is None:
-            patches = self.processor.get_number_of_image_patches(image.height, image.width, {})
-            expected_tokens = patches // self.processor.merge_size ** 2
-        return types.ImageChunk(data=buffer.getvalue(), format=image_format, expected_tokens=expected_tokens)
+    def image_chunk(self, image: Image.Image, image_format: str = "png",
+                    expected_tokens: int | None = None) -> types.ImageChunk:
+        """The image's chunk; `expected_tokens` overrides the true count (to test refusals)."""
+        chunk = self.chunker.chunk(image, image_format)
+        if expected_tokens is not None:
+            chunk = chunk.model_copy(update={"expected_tokens": expected_tokens})
+        return chunk
 
     def user_turn(self, images: list[Image.Image], text: str) -> list:
         """The user's turn: each image between <|vision_start|> and <|vision_end|>, the text, the reply's header."""

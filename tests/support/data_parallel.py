@@ -3,9 +3,9 @@
 from safetensors.torch import load_file
 from tinker import types
 
-from live_server import start_server
-from sdk_helpers import forward_logprobs
-from vision_sdk_helpers import ImagePrompts, noise
+from support.live_server import start_server
+from support.sdk import forward_logprobs
+from support.vision_sdk import ImagePrompts, noise
 
 BASE_MODEL = "builtin:tiny-qwen2-vl"
 ADAM = types.AdamParams(learning_rate=3e-3, weight_decay=0.01, grad_clip_norm=1.0)
