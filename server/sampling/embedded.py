@@ -266,11 +266,15 @@ class _Batch:
             self._use_adapters([a.adapter for a, _ in self.rows] + [a.adapter for a in actives])
             cache, mask_MP, next_position_M, last_logits_MV = self._prefill_forward(actives)
         except Exception as error:
-            # Their own failure (bad input, out of memory): the running batch is untouched.
-            logger.exception("prefill of %d sampling requests failed", len(actives))
-            for active in actives:
-                active.future.set_exception(_as_server_error(error))
+            # The newcomers' own failure (bad input, out of memory): the running batch is untouched.
+            # Alone, each one fails only for what is wrong with it.
             self._use_adapters([a.adapter for a, _ in self.rows])
+            if len(admitted) > 1:
+                for waiting in admitted:
+                    self.prefill([waiting])
+                return
+            logger.exception("prefill of a sampling request failed")
+            admitted[0].future.set_exception(_as_server_error(error))
             return
         samples_M = torch.tensor([a.request.num_samples for a in actives], device=self.device)
         expand_R = torch.repeat_interleave(torch.arange(len(actives), device=self.device), samples_M)

@@ -33,13 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from safetensors import safe_open
 
 from server.errors import (Conflict, EngineUnavailable, InvalidRequest, NotFound, PayloadTooLarge,
                            TinkerServerError)
 from server.sampling.types import AdapterRef, LogprobOptions, SampledSequence, SampleOutput, SamplingOptions, \
     SamplingRequest
-from server.sampling.vllm_process import LORA_TARGET_MODULES, VLLMEndpoint
+from server.sampling.vllm_process import VLLMEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +179,8 @@ class VLLMEngine:
             with self._adapters_lock:
                 if self._adapters.get(name) == path:
                     return name
-            _check_adapter_targets(name, path)
+            if not (path / "adapter_model.safetensors").exists():
+                raise NotFound(f"adapter files at {path} are gone")
             response = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
             if response.status_code == 400 and "already been loaded" in response.text:
                 # Loaded before this sampler's time (a restart of ours, a shared vLLM): trust it only
@@ -210,20 +210,6 @@ class VLLMEngine:
             raise TinkerServerError(f"vLLM did not answer {route} in time: {error!r}") from error
         except httpx.TransportError as error:
             raise EngineUnavailable(f"vLLM is unreachable at {self.server.url}: {error!r}") from error
-
-
-def _check_adapter_targets(name: str, path: Path) -> None:
-    """Refuse an adapter that adapts layers vLLM would leave alone: it loads, and samples wrongly."""
-    weights = path / "adapter_model.safetensors"
-    if not weights.exists():
-        raise NotFound(f"adapter files at {path} are gone")
-    with safe_open(str(weights), "pt") as tensors:
-        # Keys look like base_model.model.<module path>.lora_A.weight.
-        modules = {key.rpartition(".lora_")[0] for key in tensors.keys()}
-    refused = sorted({module.rpartition(".")[2] for module in modules} - set(LORA_TARGET_MODULES))
-    if refused:
-        raise InvalidRequest(f"adapter {name} adapts {', '.join(refused)}, which the vLLM sampling engine does not "
-                             f"apply (only {', '.join(LORA_TARGET_MODULES)})")
 
 
 def _sampling_params(options: SamplingOptions, n: int, seed_offset: int, prompt_logprobs: int | None) -> dict:
