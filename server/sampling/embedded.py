@@ -182,8 +182,8 @@ class EmbeddedEngine:
                 batch.decode_step()
         failure = EngineUnavailable("the server is shutting down")
         batch.fail_all(failure)
-        for waiting in ([held] if held is not None else []):
-            waiting.future.set_exception(failure)
+        if held is not None:
+            held.future.set_exception(failure)
         while True:
             try:
                 waiting = self._waiting.get_nowait()
