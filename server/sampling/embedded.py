@@ -35,7 +35,7 @@ from server.errors import EngineUnavailable, InvalidRequest
 from server.models.loading import LoadedVision, load_base_model
 from server.models.logprobs import mask_refused, refused_ids_tensor, target_logprobs
 from server.models.vision_features import VisionEncoder
-from server.rendering.chunks import RenderedInput, position_ids
+from server.rendering.chunks import position_ids
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.types import SampledSequence, SampleOutput, SamplingOptions, SamplingRequest
 from server.training.lora import AdapterSlot, AdapterStack, LoraAdapter, apply_lora_wrappers, use_adapter_rows
