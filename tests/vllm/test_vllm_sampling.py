@@ -217,7 +217,7 @@ def test_a_short_request_sent_during_a_long_one_finishes_first(qwen2_vl, prompt)
         max_tokens=qwen2_vl.server.config.max_model_len - len(prompt), temperature=1.0, seed=1)),
         finished.append("long")))
     long.start()
-    while running_requests(qwen2_vl) < 1:
+    while running_requests(qwen2_vl) < 1 and long.is_alive():
         threading.Event().wait(0.05)
     qwen2_vl.sample(prompt, SamplingOptions(max_tokens=4, temperature=1.0, seed=1))
     finished.append("short")

@@ -156,7 +156,7 @@ def test_a_short_request_sent_while_a_long_one_decodes_finishes_first(models_dir
     try:
         long_thread = threading.Thread(target=lambda: finished.append(("long", engine.sample(long))))
         long_thread.start()
-        while len(forwards) < 3:  # the long request is decoding
+        while len(forwards) < 3 and long_thread.is_alive():  # the long request is decoding
             threading.Event().wait(0.01)
         finished.append(("short", engine.sample(short)))
         long_thread.join()
