@@ -30,6 +30,7 @@ What vLLM does not serve goes to the embedded engine beside it (`fallback`), bat
 import base64
 import logging
 import threading
+from typing import TYPE_CHECKING
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,6 +41,9 @@ from server.errors import (Conflict, EngineUnavailable, InvalidRequest, NotFound
 from server.sampling.types import AdapterRef, LogprobOptions, SampledSequence, SampleOutput, SamplingOptions, \
     SamplingRequest
 from server.sampling.vllm_process import VLLMEndpoint
+
+if TYPE_CHECKING:
+    from server.sampling.engine import SamplingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +56,12 @@ class VLLMEngine:
 
     max_concurrent_requests = 256
 
-    def __init__(self, server: VLLMEndpoint, fallback=None, *, request_timeout_s: float = 600.0):
+    def __init__(self, server: VLLMEndpoint, fallback: "SamplingEngine | None" = None, *,
+                 request_timeout_s: float = 600.0):
         """
         Args:
-            fallback: the engine (a SamplingEngine) for what vLLM does not serve (see the module
-                docstring); None refuses such requests.
+            fallback: the engine for what vLLM does not serve (see the module docstring); None
+                refuses such requests.
         """
         self.server = server
         self.fallback = fallback
@@ -120,18 +125,15 @@ class VLLMEngine:
             prompt_logprobs, topk = _prompt_logprobs(responses[0], logprobs, prompt)
         return SampleOutput(sequences=sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk)
 
-    def forget(self, adapter_name: str) -> None:
-        """Unload an adapter whose weights are gone (vLLM would otherwise keep its name forever)."""
-        self.unload_adapter(adapter_name)
-
     def close(self) -> None:
         self._client.close()
         self.server.close()
         if self.fallback is not None:
             self.fallback.close()
 
-    def unload_adapter(self, name: str) -> None:
-        """Drop an adapter from vLLM (e.g. its checkpoint was deleted); unknown names are ignored."""
+    def forget(self, name: str) -> None:
+        """Unload an adapter whose weights are gone (vLLM would otherwise keep its name forever);
+        unknown names are ignored, and a later request with the name loads it again."""
         with self._adapters_lock:
             self._adapters.pop(name, None)
         response = self._post("/v1/unload_lora_adapter", {"lora_name": name})
