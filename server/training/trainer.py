@@ -76,7 +76,8 @@ class Trainer:
         self.device = group.device
         self.targets: list[LoraTarget]
         self.targets, self.slot = apply_lora_wrappers(base.model, base.family)
-        self.forward_model = TargetLogprobs(base.model, config.logprob_chunk_size, config.compile)
+        refused = base.vision.reserved_token_ids if base.vision is not None else frozenset()
+        self.forward_model = TargetLogprobs(base.model, config.logprob_chunk_size, config.compile, refused)
         tower = base.family.vision.tower_module if base.family.vision is not None else None
         apply_fsdp(self.forward_model, base.model.get_submodule(base.family.language_model_prefix.rstrip(".")),
                    base.model.get_submodule(tower) if tower else None, group.mesh, config.activation_checkpointing,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from server.config import ModelConfig, build_arg_parser, parse_config
+from server.config import DEFAULT_VLLM_PYTHON, REPO_ROOT, ModelConfig, build_arg_parser, parse_config
 
 CLI_OPTIONS = {
     "-h", "--help",
@@ -29,6 +29,8 @@ CLI_OPTIONS = {
     "--microbatch-tokens",
     "--compile",
     "--sampler",
+    "--max-images-per-prompt",
+    "--sampler-max-batch-tokens",
     "--vllm-python",
     "--vllm-url",
     "--vllm-max-loras",
@@ -104,3 +106,29 @@ def test_image_cache_sizes_are_given_in_mebibytes():
     config = parse_config(["--base-model", "builtin:tiny-qwen2-vl", "--image-cache-mb", "64",
                            "--feature-cache-mb", "16"])
     assert (config.images.decoded_cache_bytes, config.images.feature_cache_bytes) == (64 << 20, 16 << 20)
+
+
+def test_sampling_limits_reach_the_sampler_config():
+    config = parse_config(["--base-model", "builtin:tiny-qwen2-vl", "--max-images-per-prompt", "32",
+                           "--sampler-max-batch-tokens", "4096"])
+    assert (config.sampler.max_images_per_prompt, config.sampler.max_batch_tokens) == (32, 4096)
+    assert parse_config(["--base-model", "builtin:tiny-qwen2-vl"]).sampler.max_images_per_prompt >= 16
+
+
+def test_vllm_args_keep_json_values_intact_quoted_or_not(tmp_path):
+    common = ["--base-model", "builtin:tiny-qwen2-vl", "--sampler", "vllm", "--vllm-url", "http://127.0.0.1:1"]
+    for flags in ['--limit-mm-per-prompt {"image": 32} --seed 3', "--limit-mm-per-prompt '{\"image\": 32}' --seed 3"]:
+        extra = parse_config([*common, "--vllm-args", flags]).sampler.vllm.extra_args
+        assert extra == ("--limit-mm-per-prompt", '{"image": 32}', "--seed", "3")
+    assert parse_config([*common, "--vllm-args", '--x "a b"']).sampler.vllm.extra_args == ("--x", "a b")
+
+
+def test_the_vllm_venv_is_found_wherever_the_server_starts(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    if DEFAULT_VLLM_PYTHON.exists():
+        config = parse_config(["--base-model", "builtin:tiny-qwen2-vl", "--sampler", "vllm"])
+        assert config.sampler.vllm.python == DEFAULT_VLLM_PYTHON
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    with pytest.raises(SystemExit, match="install_vllm.sh") as error:
+        parse_config(["--base-model", "builtin:tiny-qwen2-vl", "--sampler", "vllm", "--vllm-python", str(missing)])
+    assert str(missing) in str(error.value) and str(REPO_ROOT / "scripts" / "install_vllm.sh") in str(error.value)

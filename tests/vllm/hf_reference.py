@@ -2,6 +2,8 @@
 
 Images go through the processor-free path a server uses: the image processor alone, each single
 <|image_pad|> expanded to the image's token count, and `mm_token_type_ids` marking the pads.
+Logprobs are of the server's distribution: the media placeholders masked (zero probability), and
+0 where the target is one (an image position).
 """
 
 import io
@@ -19,6 +21,7 @@ from server.training.lora import LoraAdapter, apply_lora_wrappers, select_target
 # Tensor shape suffixes: T = sequence positions, V = vocabulary.
 
 IMAGE_PAD = "<|image_pad|>"
+REFUSED_TOKEN_IDS = [769, 770]  # the tiny models' <|image_pad|> and <|video_pad|>
 
 
 def load_model(model_dir: Path, with_lora_wrappers: bool = False) -> torch.nn.Module:
@@ -61,20 +64,29 @@ def expand_image_pads(token_ids: list[int], image_pad_id: int, image_grid_thw: t
 
 def full_logprobs(model: torch.nn.Module, token_ids: list[int], images: dict[str, torch.Tensor] | None = None,
                   adapter: LoraAdapter | None = None) -> torch.Tensor:
-    """log_softmax over the vocabulary at every position (row t predicts token t + 1); ids are expanded."""
+    """Masked log_softmax over the vocabulary at every position (row t predicts token t + 1); ids are expanded."""
     input_ids = torch.tensor([token_ids])
     kwargs = {}
     if images:
         kwargs = dict(images, mm_token_type_ids=(input_ids == model.config.image_token_id).int())
     with torch.no_grad(), use_adapter(model.lora_slot, adapter) if adapter is not None else torch.no_grad():
-        return model(input_ids=input_ids, **kwargs).logits[0].float().log_softmax(dim=-1)
+        logits_TV = model(input_ids=input_ids, **kwargs).logits[0].float()
+    return logits_TV.index_fill(-1, torch.tensor(REFUSED_TOKEN_IDS), float("-inf")).log_softmax(dim=-1)
+
+
+def unmasked_probs(model: torch.nn.Module, token_ids: list[int], adapter: LoraAdapter | None = None) -> torch.Tensor:
+    """The model's own softmax at every position, placeholders included (what an unmasked sampler draws from)."""
+    with torch.no_grad(), use_adapter(model.lora_slot, adapter) if adapter is not None else torch.no_grad():
+        return model(input_ids=torch.tensor([token_ids])).logits[0].float().softmax(dim=-1)
 
 
 def teacher_forced_logprobs(model: torch.nn.Module, token_ids: list[int], images: dict[str, torch.Tensor] | None = None,
                             adapter: LoraAdapter | None = None) -> torch.Tensor:
     """logprob of token t given the tokens before it, for t >= 1 (entry 0 is nan)."""
     logprobs_TV = full_logprobs(model, token_ids, images, adapter)
-    picked = logprobs_TV[torch.arange(len(token_ids) - 1), torch.tensor(token_ids[1:])]
+    targets = torch.tensor(token_ids[1:])
+    picked = logprobs_TV[torch.arange(len(token_ids) - 1), targets]
+    picked = picked.masked_fill(torch.isin(targets, torch.tensor(REFUSED_TOKEN_IDS)), 0.0)
     return torch.cat([torch.tensor([float("nan")]), picked])
 
 

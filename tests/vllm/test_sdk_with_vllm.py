@@ -1,10 +1,11 @@
 """`python -m server --sampler vllm`: the real SDK samples through a vLLM the server starts and supervises.
 
-Parity is the sampler/trainer consistency RL relies on: vLLM's prompt logprobs and sampled-token
-logprobs equal the trainer's `forward` logprobs (fp32: mean abs difference under 1e-4, max under
-1e-3), for text and image prompts, before and after training, with adapters loaded by path.
-Adapters that adapt lm_head (Tinker's default train_unembed=True), which vLLM cannot apply, are
-sampled by the embedded engine and must agree just the same.
+Parity is the sampler/trainer consistency RL relies on: sampled-token logprobs (vLLM) and prompt
+logprobs (vLLM without LoRA; with LoRA the embedded engine beside it) equal the trainer's `forward`
+logprobs (fp32: mean abs difference under 1e-4, max under 1e-3), for text and image prompts, before
+and after training, with adapters loaded by path, lm_head included (Tinker's default
+train_unembed=True, through the server's vLLM plugin). The module's server is the tiny Qwen3-VL
+(Qwen2-VL is the direct tier's); the other families get a server each in the last test.
 """
 
 import numpy as np
@@ -13,12 +14,15 @@ import tinker
 from conftest import VLLM_PYTHON
 from tinker import types
 
+from support.engine_checks import check_concurrent_runs_sample_with_their_own_adapters, check_image_limit
 from support.live_server import start_server
 from support.sdk import check_sampling_parameters, forward_logprobs
 from support.vision_sdk import ImagePrompts, noise
 
 ADAM = types.AdamParams(learning_rate=3e-3)
 VLLM_FLAGS = ("--sampler", "vllm", "--vllm-python", str(VLLM_PYTHON), "--vllm-max-lora-rank", "8")
+FAMILY = "qwen3-vl"
+BASE_MODEL = f"builtin:tiny-{FAMILY}"
 
 
 def start_vllm_server(models_dir, tmp_path_factory, family: str, *flags: str):
@@ -30,19 +34,18 @@ def start_vllm_server(models_dir, tmp_path_factory, family: str, *flags: str):
 
 
 @pytest.fixture(scope="module")
-def qwen2_vl(models_dir, tmp_path_factory):
-    # One adapter in a batch and one loaded: the eviction test below relies on it.
-    server = start_vllm_server(models_dir, tmp_path_factory, "qwen2-vl", "--vllm-max-loras", "1",
-                               "--vllm-max-cpu-loras", "1")
+def vllm_server(models_dir, tmp_path_factory):
+    # Two adapters in a batch and two loaded: the eviction test below relies on it.
+    server = start_vllm_server(models_dir, tmp_path_factory, FAMILY, "--vllm-max-loras", "2",
+                               "--vllm-max-cpu-loras", "2")
     yield server
     server.stop()
 
 
 def lora_client(server, seed: int):
-    """A service client, a Qwen2-VL LoRA training client without lm_head (which vLLM serves) and its prompts."""
+    """A service client, a LoRA training client with Tinker's defaults (lm_head too) and its prompts."""
     service = server.service_client()
-    tc = service.create_lora_training_client(base_model="builtin:tiny-qwen2-vl", rank=8, seed=seed,
-                                             train_unembed=False).result()
+    tc = service.create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=seed).result()
     return service, tc, ImagePrompts(tc)
 
 
@@ -77,34 +80,36 @@ def check_sampler_against_trainer(sampler, tc, prompts: ImagePrompts, data: list
                       f"{where} sampled-token logprobs")
 
 
-def test_adapters_loaded_by_path_agree_with_the_trainer_before_and_after_training(qwen2_vl):
-    service, tc, prompts = lora_client(qwen2_vl, seed=3)
+def test_adapters_loaded_by_path_agree_with_the_trainer_before_and_after_training(vllm_server):
+    service, tc, prompts = lora_client(vllm_server, seed=3)
     data = prompts_for(prompts)
-    base = service.create_sampling_client(base_model="builtin:tiny-qwen2-vl").result()
+    base = service.create_sampling_client(base_model=BASE_MODEL).result()
     check_sampler_against_trainer(base, tc, prompts, data, "base model")  # a fresh adapter is the base model
     for _ in range(3):
         tc.forward_backward(data, "cross_entropy").result()
         tc.optim_step(ADAM).result()
-    check_sampler_against_trainer(tc.save_weights_and_get_sampling_client().result(), tc, prompts, data,
-                                  "snapshot after training")
+    snapshot = tc.save_weights_and_get_sampling_client().result()
+    check_sampler_against_trainer(snapshot, tc, prompts, data, "snapshot after training")
     named = service.create_sampling_client(model_path=tc.save_weights_for_sampler("trained").result().path).result()
     check_sampler_against_trainer(named, tc, prompts, data, "saved checkpoint")
-    assert "checkpoint-" in (qwen2_vl.data_dir / "vllm.log").read_text()  # vLLM itself loaded it
+    log = (vllm_server.data_dir / "vllm.log").read_text()
+    # vLLM itself loaded both (with lm_head: Tinker's default), and sampled with them.
+    assert "checkpoint-" in log and ":sample:" in log
 
 
-def test_an_adapter_on_lm_head_is_sampled_by_the_embedded_engine_and_agrees_with_the_trainer(qwen2_vl):
-    service = qwen2_vl.service_client()
-    tc = service.create_lora_training_client(base_model="builtin:tiny-qwen2-vl", rank=8, seed=4).result()
-    prompts = ImagePrompts(tc)
-    data = prompts_for(prompts)
-    tc.forward_backward(data, "cross_entropy").result()
-    tc.optim_step(ADAM).result()
-    check_sampler_against_trainer(tc.save_weights_and_get_sampling_client().result(), tc, prompts, data,
-                                  "lm_head adapter")
+@pytest.mark.parametrize("train_unembed", [True, False], ids=["with-lm-head", "without-lm-head"])
+def test_runs_sampling_at_once_each_sample_with_their_own_adapter(vllm_server, train_unembed):
+    check_concurrent_runs_sample_with_their_own_adapters(vllm_server.service_client(), BASE_MODEL,
+                                                         train_unembed=train_unembed)
 
 
-def test_an_adapter_evicted_by_vllm_is_reloaded_and_an_overwritten_one_is_never_stale(qwen2_vl):
-    service, tc, prompts = lora_client(qwen2_vl, seed=6)
+def test_a_prompt_over_the_image_limit_is_refused_with_the_limit(vllm_server):
+    # The server's limit is vLLM's too: a prompt at the limit goes through vLLM.
+    check_image_limit(vllm_server.service_client(), BASE_MODEL, limit=16)
+
+
+def test_an_adapter_evicted_by_vllm_is_reloaded_and_an_overwritten_one_is_never_stale(vllm_server):
+    service, tc, prompts = lora_client(vllm_server, seed=6)
     data = prompts_for(prompts)
     prompt = types.ModelInput(chunks=data[0].model_input.chunks[:-1])
     greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
@@ -114,8 +119,12 @@ def test_an_adapter_evicted_by_vllm_is_reloaded_and_an_overwritten_one_is_never_
     tc.forward_backward(data, "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     second = service.create_sampling_client(model_path=tc.save_weights_for_sampler("b").result().path).result()
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(ADAM).result()
+    third = service.create_sampling_client(model_path=tc.save_weights_for_sampler("c").result().path).result()
     a_before = first.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
-    second.sample(prompt, num_samples=1, sampling_params=greedy).result()  # vLLM keeps one adapter: a goes
+    for later in (second, third):  # vLLM keeps two adapters loaded: a goes
+        later.sample(prompt, num_samples=1, sampling_params=greedy).result()
     a_again = first.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
     assert a_again.tokens == a_before.tokens
     np.testing.assert_allclose(a_again.logprobs, a_before.logprobs, atol=1e-6)
@@ -124,8 +133,8 @@ def test_an_adapter_evicted_by_vllm_is_reloaded_and_an_overwritten_one_is_never_
     check_sampler_against_trainer(overwritten, tc, prompts, data, "overwritten checkpoint")
 
 
-def test_every_kind_of_image_prompt_through_vllm_and_bad_images_refused(qwen2_vl):
-    service, tc, prompts = lora_client(qwen2_vl, seed=7)
+def test_every_kind_of_image_prompt_through_vllm_and_bad_images_refused(vllm_server):
+    service, tc, prompts = lora_client(vllm_server, seed=7)
     repeated = noise(80, 80, seed=5)
     two_turns = (prompts.user_turn([noise(64, 64, seed=10)], "What is this?")
                  + [types.EncodedTextChunk(tokens=prompts.ids("Noise.<|im_end|>\n"))]
@@ -135,13 +144,13 @@ def test_every_kind_of_image_prompt_through_vllm_and_bad_images_refused(qwen2_vl
                           noise(50, 90, seed=7).convert("P"))]
     data += [prompts.datum(prompts.user_turn([repeated, repeated], "Same twice?"), "yes"),
              prompts.datum(two_turns, "More noise.")]
-    base = service.create_sampling_client(base_model="builtin:tiny-qwen2-vl").result()
+    base = service.create_sampling_client(base_model=BASE_MODEL).result()
     check_sampler_against_trainer(base, tc, prompts, data, "kinds of image")
 
     start, end = prompts.ids("<|vision_start|>"), prompts.ids("<|vision_end|>")
     corrupt = types.ImageChunk(data=b"\x89PNG\r\n\x1a\nnot really a png", format="png", expected_tokens=4)
-    wrong_count = prompts.image_chunk(noise(64, 64, seed=12), expected_tokens=9)  # 4 tokens on Qwen2-VL
-    for chunk, message in [(corrupt, "could not be decoded"), (wrong_count, "Expected 9 tokens, got 4 from image")]:
+    wrong_count = prompts.image_chunk(noise(64, 64, seed=12), expected_tokens=9)  # 64 tokens on Qwen3-VL
+    for chunk, message in [(corrupt, "could not be decoded"), (wrong_count, "Expected 9 tokens, got 64 from image")]:
         prompt = types.ModelInput(chunks=[types.EncodedTextChunk(tokens=start), chunk,
                                           types.EncodedTextChunk(tokens=end)])
         with pytest.raises(tinker.BadRequestError, match=message):
@@ -150,17 +159,14 @@ def test_every_kind_of_image_prompt_through_vllm_and_bad_images_refused(qwen2_vl
                        sampling_params=types.SamplingParams(max_tokens=2)).result().sequences
 
 
-def test_sampling_parameters_through_vllm(qwen2_vl):
-    service = qwen2_vl.service_client()
+def test_sampling_parameters_through_vllm(vllm_server):
+    service = vllm_server.service_client()
     # A base-model sampling client would look its tokenizer up on the hub; a training client's names
     # the model directory.
-    tokenizer = service.create_lora_training_client(base_model="builtin:tiny-qwen2-vl", rank=8).result() \
-        .get_tokenizer()
-    check_sampling_parameters(service.create_sampling_client(base_model="builtin:tiny-qwen2-vl").result(), tokenizer)
+    tokenizer = service.create_lora_training_client(base_model=BASE_MODEL, rank=8).result().get_tokenizer()
+    check_sampling_parameters(service.create_sampling_client(base_model=BASE_MODEL).result(), tokenizer)
 
 
-# Qwen2-VL is the module's server above; Qwen3-VL's engine is checked against HF with the trainer's LoRA
-# layers in test_vllm_parity.py and test_vllm_lora.py.
 @pytest.mark.parametrize("family,flags", [("qwen2.5-vl", ()),
                                           # vLLM's MoE LoRA kernels need a GPU: on CPU it serves the base
                                           # model and the embedded engine serves adapters.
@@ -169,8 +175,7 @@ def test_every_vlm_family_samples_through_vllm_like_its_trainer(models_dir, tmp_
     server = start_vllm_server(models_dir, tmp_path_factory, family, *flags)
     try:
         service = server.service_client()
-        tc = service.create_lora_training_client(base_model=f"builtin:tiny-{family}", rank=8, seed=5,
-                                                 train_unembed=False).result()
+        tc = service.create_lora_training_client(base_model=f"builtin:tiny-{family}", rank=8, seed=5).result()
         prompts = ImagePrompts(tc)
         data = prompts_for(prompts)
         base = service.create_sampling_client(base_model=f"builtin:tiny-{family}").result()

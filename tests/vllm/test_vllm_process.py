@@ -1,31 +1,48 @@
 """The vLLM supervisor: its command line, a failed start, and a restart after a crash."""
 
+import json
 import os
 import signal
 from pathlib import Path
 
 import pytest
+from conftest import REFUSED_TOKEN_IDS
 from hf_reference import write_adapter
 
+from server.config import VLLMConfig
 from server.errors import EngineUnavailable
 from server.sampling.types import SamplingOptions
-from server.sampling.vllm_process import VLLMConfig, VLLMProcess, vllm_command, vllm_environment
+from server.sampling.vllm_process import ServedModel, VLLMProcess, vllm_command, vllm_environment
 
 
-def test_vllm_listens_on_loopback_with_token_in_token_out_raw_logprobs_and_runtime_lora():
-    config = VLLMConfig(python=Path(".venv-vllm/bin/python"), max_loras=2, max_lora_rank=16, max_cpu_loras=3)
-    command = vllm_command(config, Path("/models/m"), "float32", "m", 4321)
+def served(model_dir: Path, **fields) -> ServedModel:
+    return ServedModel(directory=model_dir, name="m", dtype="float32", refused_token_ids=REFUSED_TOKEN_IDS, **fields)
+
+
+def test_vllm_runs_the_plugins_variant_on_loopback_with_token_in_token_out_raw_logprobs_and_runtime_lora(model_dirs):
+    config = VLLMConfig(python=Path(".venv-vllm/bin/python"), max_loras=2, max_lora_rank=16, max_cpu_loras=3,
+                        extra_args=("--hf-overrides", '{"max_window_layers": 2}', "--seed", "1"))
+    command = vllm_command(config, served(model_dirs["qwen2-vl"], max_images_per_prompt=16), 4321)
     flags = dict(zip(command, command[1:]))
     assert os.path.isabs(command[0]) and command[0].endswith(".venv-vllm/bin/python")
     assert flags["--host"] == "127.0.0.1" and flags["--port"] == "4321" and flags["--dtype"] == "float32"
     assert "--enable-scale-out" in command and flags["--logprobs-mode"] == "raw_logprobs"
     assert flags["--generation-config"] == "vllm"
+    assert json.loads(flags["--limit-mm-per-prompt"]) == {"image": 16}
+    # The plugin's variant of the checkpoint's architecture, with the placeholders it masks; a
+    # user's own overrides are merged in, the other extra flags come last.
+    assert command.count("--hf-overrides") == 1 and command[-2:] == ["--seed", "1"]
+    assert json.loads(flags["--hf-overrides"]) == {"architectures": ["TinkerQwen2VLForConditionalGeneration"],
+                                                   "tinker_masked_token_ids": sorted(REFUSED_TOKEN_IDS),
+                                                   "max_window_layers": 2}
     assert (flags["--max-loras"], flags["--max-lora-rank"], flags["--max-cpu-loras"]) == ("2", "16", "3")
-    targets = command[command.index("--lora-target-modules") + 1:]
-    assert "q_proj" in targets and "down_proj" in targets and "lm_head" not in targets
+    first_target = command.index("--lora-target-modules") + 1
+    assert set(command[first_target:first_target + 8]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj", "lm_head"}
     environment = vllm_environment(config)
     assert environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and "PYTHONPATH" not in environment
-    assert "--enable-lora" not in vllm_command(VLLMConfig(python=Path("p"), max_loras=0), Path("/m"), "bfloat16", "m", 1)
+    assert "--enable-lora" not in vllm_command(VLLMConfig(python=Path("p"), max_loras=0),
+                                               served(model_dirs["qwen3-vl"]), 1)
 
 
 def test_configs_that_vllm_would_refuse_are_refused_up_front():
@@ -39,8 +56,7 @@ def test_configs_that_vllm_would_refuse_are_refused_up_front():
 
 def test_a_vllm_that_cannot_start_fails_its_callers_with_the_reason(tmp_path, model_dirs):
     config = VLLMConfig(python=tmp_path / "no-venv" / "bin" / "python")
-    server = VLLMProcess(config, model_dir=model_dirs["qwen2-vl"], dtype="float32", served_model_name="m",
-                         log_path=tmp_path / "vllm.log")
+    server = VLLMProcess(config, served(model_dirs["qwen2-vl"]), log_path=tmp_path / "vllm.log")
     with pytest.raises(EngineUnavailable, match="cannot start vLLM"):
         server.wait_until_ready(timeout_s=30)
     server.close()
@@ -50,11 +66,11 @@ def test_a_crashed_vllm_is_restarted_and_its_adapters_reloaded_for_the_waiting_r
     prompt = qwen2_vl.encode("<|im_start|>user\nCount to three.<|im_end|>\n<|im_start|>assistant\n")
     options = SamplingOptions(max_tokens=6, temperature=0.0)
     adapter = ("qwen2-vl-restart", write_adapter(qwen2_vl.model_dir, tmp_path / "adapter", seed=5))
-    before = qwen2_vl.sampler.sample(prompt, options, adapter=adapter)
+    before = qwen2_vl.sample(prompt, options, adapter=adapter)
     old_url, old_restarts = qwen2_vl.server.url, qwen2_vl.server.num_restarts
 
     os.kill(qwen2_vl.server.pid, signal.SIGKILL)  # the API server; the engine core follows it
-    after = qwen2_vl.sampler.sample(prompt, options, adapter=adapter)
+    after = qwen2_vl.sample(prompt, options, adapter=adapter)
 
     assert after == before
     assert qwen2_vl.server.num_restarts == old_restarts + 1 and qwen2_vl.server.url != old_url

@@ -1,16 +1,16 @@
-"""VLLMSampler on text prompts: every sampling option, stops, num_samples, prompt logprobs, concurrency."""
+"""VLLMEngine on text prompts: every sampling option, stops, num_samples, prompt logprobs, concurrency."""
 
 import threading
-import time
 from dataclasses import replace
 
+import httpx
 import pytest
 import torch
-from hf_reference import full_logprobs, load_model
+from hf_reference import REFUSED_TOKEN_IDS, full_logprobs, load_model, unmasked_probs
 
 from server.errors import InvalidRequest, PayloadTooLarge
-from server.sampling.types import SamplingOptions
-from server.sampling.vllm import VLLMSampler
+from server.sampling.types import LogprobOptions, SampleOutput, SamplingOptions, SamplingRequest
+from server.sampling.vllm import VLLMEngine
 from server.sampling.vllm_process import VLLMEndpoint
 
 # Tensor shape suffixes: T = sequence positions, V = vocabulary, K = top-k alternatives.
@@ -28,6 +28,11 @@ def prompt(qwen2_vl) -> list[int]:
     return qwen2_vl.encode(PROMPT)
 
 
+@pytest.fixture(scope="module")
+def qwen3_hf_model(qwen3_vl):
+    return load_model(qwen3_vl.model_dir)
+
+
 def completion_logprobs_TV(hf_model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """HF's distribution at each completion step."""
     logprobs_TV = full_logprobs(hf_model, prompt + tokens)
@@ -36,8 +41,8 @@ def completion_logprobs_TV(hf_model, prompt: list[int], tokens: list[int]) -> to
 
 def test_greedy_sampling_is_deterministic_and_takes_the_argmax(qwen2_vl, hf_model, prompt):
     options = SamplingOptions(max_tokens=10, temperature=0.0)
-    first = qwen2_vl.sampler.sample(prompt, options).sequences[0]
-    second = qwen2_vl.sampler.sample(prompt, options).sequences[0]
+    first = qwen2_vl.sample(prompt, options).sequences[0]
+    second = qwen2_vl.sample(prompt, options).sequences[0]
     assert first == second
     assert first.stop_reason == "length" and len(first.tokens) == 10
     assert first.tokens == completion_logprobs_TV(hf_model, prompt, first.tokens).argmax(dim=-1).tolist()
@@ -45,7 +50,7 @@ def test_greedy_sampling_is_deterministic_and_takes_the_argmax(qwen2_vl, hf_mode
 
 def test_temperature_top_k_and_top_p_restrict_sampling_while_logprobs_stay_raw(qwen2_vl, hf_model, prompt):
     options = SamplingOptions(max_tokens=12, temperature=0.7, top_k=5, top_p=0.8, seed=1)
-    for sequence in qwen2_vl.sampler.sample(prompt, options, num_samples=3).sequences:
+    for sequence in qwen2_vl.sample(prompt, options, num_samples=3).sequences:
         logprobs_TV = completion_logprobs_TV(hf_model, prompt, sequence.tokens)
         for logprobs_V, token in zip(logprobs_TV, sequence.tokens):
             top_K = logprobs_V.topk(options.top_k)
@@ -59,16 +64,16 @@ def test_temperature_top_k_and_top_p_restrict_sampling_while_logprobs_stay_raw(q
 
 
 def test_top_k_of_one_samples_the_greedy_completion(qwen2_vl, prompt):
-    greedy = qwen2_vl.sampler.sample(prompt, SamplingOptions(max_tokens=8, temperature=0.0)).sequences[0]
-    top1 = qwen2_vl.sampler.sample(prompt, SamplingOptions(max_tokens=8, temperature=1.5, top_k=1, seed=3))
+    greedy = qwen2_vl.sample(prompt, SamplingOptions(max_tokens=8, temperature=0.0)).sequences[0]
+    top1 = qwen2_vl.sample(prompt, SamplingOptions(max_tokens=8, temperature=1.5, top_k=1, seed=3))
     assert top1.sequences[0].tokens == greedy.tokens
 
 
 def test_a_seed_reproduces_its_samples_and_other_seeds_differ(qwen2_vl, prompt):
     options = SamplingOptions(max_tokens=8, temperature=1.0, seed=42)
-    first = qwen2_vl.sampler.sample(prompt, options, num_samples=2).sequences
-    again = qwen2_vl.sampler.sample(prompt, options, num_samples=2).sequences
-    other = qwen2_vl.sampler.sample(prompt, replace(options, seed=43), num_samples=2).sequences
+    first = qwen2_vl.sample(prompt, options, num_samples=2).sequences
+    again = qwen2_vl.sample(prompt, options, num_samples=2).sequences
+    other = qwen2_vl.sample(prompt, replace(options, seed=43), num_samples=2).sequences
     assert first == again
     assert first[0].tokens != first[1].tokens
     assert [s.tokens for s in first] != [s.tokens for s in other]
@@ -77,19 +82,19 @@ def test_a_seed_reproduces_its_samples_and_other_seeds_differ(qwen2_vl, prompt):
 def test_num_samples_above_max_num_seqs_is_split_without_changing_the_samples(qwen2_vl, prompt):
     assert qwen2_vl.server.config.max_num_seqs == 4
     options = SamplingOptions(max_tokens=5, temperature=1.0, seed=7)
-    many = qwen2_vl.sampler.sample(prompt, options, num_samples=6, include_prompt_logprobs=True)
-    assert len(many.sequences) == 6 and len(many.prompt_logprobs) == len(prompt)
+    many = qwen2_vl.sample(prompt, options, num_samples=6)
+    assert len(many.sequences) == 6
     # vLLM samples child i of a request with seed + i.
     for index, sequence in enumerate(many.sequences):
-        single = qwen2_vl.sampler.sample(prompt, replace(options, seed=options.seed + index)).sequences[0]
+        single = qwen2_vl.sample(prompt, replace(options, seed=options.seed + index)).sequences[0]
         assert sequence == single
 
 
 def test_a_stop_token_ends_the_completion_and_stays_as_its_last_token(qwen2_vl, prompt):
     options = SamplingOptions(max_tokens=16, temperature=1.0, seed=11)
-    free = qwen2_vl.sampler.sample(prompt, options).sequences[0]
+    free = qwen2_vl.sample(prompt, options).sequences[0]
     stop_at = next(i for i in range(2, 16) if free.tokens[i] not in free.tokens[:i])
-    stopped = qwen2_vl.sampler.sample(prompt, replace(options, stop_token_ids=(free.tokens[stop_at],)))
+    stopped = qwen2_vl.sample(prompt, replace(options, stop_token_ids=(free.tokens[stop_at],)))
     assert stopped.sequences[0].tokens == free.tokens[: stop_at + 1]
     assert stopped.sequences[0].logprobs == pytest.approx(free.logprobs[: stop_at + 1], abs=1e-6)
     assert stopped.sequences[0].stop_reason == "stop"
@@ -97,7 +102,7 @@ def test_a_stop_token_ends_the_completion_and_stays_as_its_last_token(qwen2_vl, 
 
 def test_a_stop_string_ends_the_completion_right_after_the_token_that_completes_it(qwen2_vl, prompt):
     options = SamplingOptions(max_tokens=16, temperature=1.0, top_k=50, seed=11)
-    free = qwen2_vl.sampler.sample(prompt, options).sequences[0]
+    free = qwen2_vl.sample(prompt, options).sequences[0]
     texts = [qwen2_vl.tokenizer.decode(free.tokens[: i + 1], skip_special_tokens=False) for i in range(16)]
     # A stop string that straddles two tokens: the last character so far plus the next token's first.
     completes_at, stop = next(
@@ -106,7 +111,7 @@ def test_a_stop_string_ends_the_completion_right_after_the_token_that_completes_
         if texts[i - 1] and texts[i].startswith(texts[i - 1]) and len(texts[i]) > len(texts[i - 1])
         and "\ufffd" not in texts[i - 1][-1] + texts[i][len(texts[i - 1])]
         and texts[i - 1][-1] + texts[i][len(texts[i - 1])] not in texts[i - 1])
-    stopped = qwen2_vl.sampler.sample(prompt, replace(options, stop_strings=(stop,))).sequences[0]
+    stopped = qwen2_vl.sample(prompt, replace(options, stop_strings=(stop,))).sequences[0]
     assert stopped.tokens == free.tokens[: completes_at + 1]
     assert stopped.stop_reason == "stop"
 
@@ -116,17 +121,16 @@ def test_eos_stops_a_completion_only_when_the_caller_lists_it(qwen2_vl, hf_model
     prompt = qwen2_vl.encode("<|im_start|>user\nHi<|im_end|>")
     im_end = qwen2_vl.token_id("<|im_end|>")
     assert int(full_logprobs(hf_model, prompt)[-1].argmax()) == im_end
-    with_eos = qwen2_vl.sampler.sample(prompt, SamplingOptions(max_tokens=6, temperature=0.0, stop_token_ids=(im_end,)))
+    with_eos = qwen2_vl.sample(prompt, SamplingOptions(max_tokens=6, temperature=0.0, stop_token_ids=(im_end,)))
     assert with_eos.sequences[0].tokens == [im_end] and with_eos.sequences[0].stop_reason == "stop"
     # stop=[] in Tinker: no stop token at all, so vLLM's own EOS rule must not apply either.
-    without = qwen2_vl.sampler.sample(prompt, SamplingOptions(max_tokens=6, temperature=0.0)).sequences[0]
+    without = qwen2_vl.sample(prompt, SamplingOptions(max_tokens=6, temperature=0.0)).sequences[0]
     assert without.tokens[0] == im_end and len(without.tokens) == 6 and without.stop_reason == "length"
 
 
-def test_prompt_logprobs_and_their_top_k_equal_hf_with_none_at_position_zero(qwen2_vl, hf_model, prompt):
-    k = 4
-    out = qwen2_vl.sampler.sample(prompt, SamplingOptions(max_tokens=1), include_prompt_logprobs=True,
-                                  topk_prompt_logprobs=k)
+def test_prompt_logprobs_and_their_top_k_equal_hf_with_none_at_position_zero(qwen3_vl, qwen3_hf_model):
+    hf_model, prompt, k = qwen3_hf_model, qwen3_vl.encode(PROMPT), 4
+    out = qwen3_vl.sample(prompt, SamplingOptions(max_tokens=1), prompt_logprobs=True, topk_prompt_logprobs=k)
     assert len(out.prompt_logprobs) == len(out.topk_prompt_logprobs) == len(prompt)
     assert out.prompt_logprobs[0] is None and out.topk_prompt_logprobs[0] is None
     logprobs_TV = full_logprobs(hf_model, prompt)[:-1]
@@ -138,54 +142,97 @@ def test_prompt_logprobs_and_their_top_k_equal_hf_with_none_at_position_zero(qwe
         assert [logprob for _, logprob in alternatives] == pytest.approx(top_TK.values[position].tolist(), abs=1e-4)
 
 
-def test_top_k_prompt_logprobs_alone_leave_the_prompt_logprobs_out(qwen2_vl, prompt):
-    out = qwen2_vl.sampler.sample(prompt, SamplingOptions(max_tokens=1), topk_prompt_logprobs=2)
+def test_top_k_prompt_logprobs_alone_leave_the_prompt_logprobs_out(qwen3_vl):
+    prompt = qwen3_vl.encode(PROMPT)
+    out = qwen3_vl.sample(prompt, SamplingOptions(max_tokens=1), topk_prompt_logprobs=2)
     assert out.prompt_logprobs is None
     assert all(len(alternatives) == 2 for alternatives in out.topk_prompt_logprobs[1:])
-    plain = qwen2_vl.sampler.sample(prompt, SamplingOptions(max_tokens=1))
+    plain = qwen3_vl.sample(prompt, SamplingOptions(max_tokens=1))
     assert plain.prompt_logprobs is None and plain.topk_prompt_logprobs is None
 
 
-def test_concurrent_requests_are_decoded_together_not_one_after_another(qwen2_vl, prompt):
-    options = SamplingOptions(max_tokens=300, temperature=1.0, seed=1)
-    started = time.monotonic()
-    qwen2_vl.sampler.sample(prompt, options)
-    single = time.monotonic() - started
-    threads = [threading.Thread(target=qwen2_vl.sampler.sample, args=(prompt, options)) for _ in range(4)]
-    started = time.monotonic()
-    for thread in threads:
+class RecordingEngine:
+    """A fallback engine that answers with an empty output and remembers what it was asked."""
+
+    def __init__(self):
+        self.requests: list[SamplingRequest] = []
+
+    def sample(self, request: SamplingRequest) -> SampleOutput:
+        self.requests.append(request)
+        return SampleOutput(sequences=[])
+
+
+def test_prompt_logprobs_go_to_the_fallback_engine_while_vllm_runs_lora(qwen2_vl, prompt):
+    # With lm_head among vLLM's LoRA targets its prompt logprobs use the sampled rows' LoRA mapping
+    # (vllm-project/vllm#16668, #51594); sampling itself stays on vLLM.
+    fallback = RecordingEngine()
+    engine = VLLMEngine(qwen2_vl.server, fallback)  # not closed: the server is the session's
+    for logprobs in (LogprobOptions(prompt_logprobs=True), LogprobOptions(topk_prompt_logprobs=2)):
+        request = SamplingRequest(prompt=qwen2_vl.prompt(prompt), options=SamplingOptions(max_tokens=1),
+                                  logprobs=logprobs)
+        assert engine.sample(request).sequences == [] and fallback.requests[-1] is request
+    sampled = engine.sample(SamplingRequest(prompt=qwen2_vl.prompt(prompt), options=SamplingOptions(max_tokens=3)))
+    assert len(sampled.sequences[0].tokens) == 3 and len(fallback.requests) == 2
+    with pytest.raises(InvalidRequest, match="no fallback"):
+        qwen2_vl.sample(prompt, SamplingOptions(max_tokens=1), prompt_logprobs=True)
+
+
+def test_media_placeholders_are_never_sampled_and_logprobs_are_renormalised(qwen2_vl, hf_model, prompt):
+    # Thousands of tokens at temperature 1 from the random tiny model, which gives the placeholders
+    # about 1e-3 of its mass: unmasked, some would come up.
+    requests = [threading.Thread(target=lambda seed=seed: outputs.append(
+        qwen2_vl.sample(prompt, SamplingOptions(max_tokens=128, temperature=1.0, seed=seed), num_samples=4)))
+        for seed in range(8)]
+    outputs: list[SampleOutput] = []
+    for thread in requests:
         thread.start()
-    for thread in threads:
+    for thread in requests:
         thread.join()
-    # One after another would take four times one; the margin absorbs a loaded 2-core box.
-    assert time.monotonic() - started < 3 * single, "four requests took about four times one"
+    sequences = [sequence for output in outputs for sequence in output.sequences]
+    assert sum(len(s.tokens) for s in sequences) == 8 * 4 * 128
+    assert not {token for s in sequences for token in s.tokens} & set(REFUSED_TOKEN_IDS)
+    expected_placeholders = 0.0
+    for sequence in sequences:
+        steps = slice(len(prompt) - 1, len(prompt) - 1 + len(sequence.tokens))
+        expected_placeholders += float(unmasked_probs(hf_model, prompt + sequence.tokens)[steps, REFUSED_TOKEN_IDS].sum())
+        expected = completion_logprobs_TV(hf_model, prompt, sequence.tokens)
+        renormalised = expected.gather(-1, torch.tensor(sequence.tokens)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(sequence.logprobs), renormalised, atol=1e-4, rtol=0)
+    assert expected_placeholders > 5, expected_placeholders
+
+
+def running_requests(engine) -> float:
+    """vLLM's own gauge of the requests it is decoding, from its Prometheus metrics."""
+    for line in httpx.get(f"{engine.server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.rpartition(" ")[2])
+    raise AssertionError("vLLM reports no vllm:num_requests_running")
 
 
 def test_a_short_request_sent_during_a_long_one_finishes_first(qwen2_vl, prompt):
-    # On this 2-core box vLLM's engine core sometimes takes a second or two to pick up a request
-    # that arrives mid-generation, so the long one is long (1000 tokens, several seconds).
-    finished: dict[str, float] = {}
-
-    def sample(name: str, max_tokens: int) -> None:
-        qwen2_vl.sampler.sample(prompt, SamplingOptions(max_tokens=max_tokens, temperature=1.0, seed=1))
-        finished[name] = time.monotonic()
-
-    long = threading.Thread(target=sample, args=("long", qwen2_vl.server.config.max_model_len - len(prompt)))
+    # Ordered by events, not by clocks: the short request is sent once vLLM reports the long one
+    # decoding, and must come back while the long one (the whole context, thousands of steps) runs.
+    finished: list[str] = []
+    long = threading.Thread(target=lambda: (qwen2_vl.sample(prompt, SamplingOptions(
+        max_tokens=qwen2_vl.server.config.max_model_len - len(prompt), temperature=1.0, seed=1)),
+        finished.append("long")))
     long.start()
-    time.sleep(0.5)  # the long request is decoding by now
-    sample("short", 4)
+    while running_requests(qwen2_vl) < 1 and long.is_alive():
+        threading.Event().wait(0.05)
+    qwen2_vl.sample(prompt, SamplingOptions(max_tokens=4, temperature=1.0, seed=1))
+    finished.append("short")
     long.join()
-    assert finished["short"] < finished["long"], "the short request waited for the long one"
+    assert finished == ["short", "long"], "the short request waited for the long one"
 
 
 def test_concurrent_greedy_requests_give_the_same_completions_as_sequential_ones(qwen2_vl, prompt):
     prompts = [prompt[:n] for n in range(6, len(prompt) + 1)]
     options = SamplingOptions(max_tokens=8, temperature=0.0)
-    sequential = [qwen2_vl.sampler.sample(p, options).sequences[0] for p in prompts]
+    sequential = [qwen2_vl.sample(p, options).sequences[0] for p in prompts]
     results: list = [None] * len(prompts)
 
     def sample(index: int) -> None:
-        results[index] = qwen2_vl.sampler.sample(prompts[index], options).sequences[0]
+        results[index] = qwen2_vl.sample(prompts[index], options).sequences[0]
 
     threads = [threading.Thread(target=sample, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
@@ -201,20 +248,21 @@ def test_a_running_vllm_is_reached_by_its_url(qwen2_vl, prompt):
     options = SamplingOptions(max_tokens=6, temperature=0.0)
     endpoint = VLLMEndpoint(qwen2_vl.server.url, qwen2_vl.server.config)
     endpoint.wait_until_ready(timeout_s=10)
-    remote = VLLMSampler(endpoint)
+    remote = VLLMEngine(endpoint)
     try:
-        assert remote.sample(prompt, options) == qwen2_vl.sampler.sample(prompt, options)
+        request = SamplingRequest(prompt=qwen2_vl.prompt(prompt), options=options)
+        assert remote.sample(request) == qwen2_vl.sample(prompt, options)
     finally:
         remote.close()
 
 
 def test_a_request_over_the_context_length_is_refused_not_cut_short(qwen2_vl, prompt):
     max_tokens = qwen2_vl.server.config.max_model_len - len(prompt)
-    assert len(qwen2_vl.sampler.sample(prompt, SamplingOptions(max_tokens=max_tokens)).sequences[0].tokens) == max_tokens
-    with pytest.raises(PayloadTooLarge, match="context length of 1024"):
-        qwen2_vl.sampler.sample(prompt, SamplingOptions(max_tokens=max_tokens + 1))
+    assert len(qwen2_vl.sample(prompt, SamplingOptions(max_tokens=max_tokens)).sequences[0].tokens) == max_tokens
+    with pytest.raises(PayloadTooLarge, match=f"context length of {qwen2_vl.server.config.max_model_len}"):
+        qwen2_vl.sample(prompt, SamplingOptions(max_tokens=max_tokens + 1))
 
 
 def test_a_request_vllm_refuses_fails_as_an_invalid_request_with_vllms_reason(qwen2_vl):
     with pytest.raises(InvalidRequest, match="vLLM refused the request: Token id 10000 is out of vocabulary"):
-        qwen2_vl.sampler.sample([1, 2, 10_000], SamplingOptions(max_tokens=2))
+        qwen2_vl.sample([1, 2, 10_000], SamplingOptions(max_tokens=2))

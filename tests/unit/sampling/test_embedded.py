@@ -1,13 +1,15 @@
-"""The embedded sampling engine against a tiny random Qwen3 and plain full forwards."""
+"""The embedded sampling engine, one request at a time, against a tiny random Qwen3 and plain full forwards."""
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from server.models.registry import family_for
 from server.rendering.chunks import RenderedInput
-from server.sampling.embedded import EmbeddedSampler
-from server.sampling.types import SamplingOptions
+from server.sampling.embedded import EmbeddedEngine, EngineModel
+from server.sampling.types import LogprobOptions, SampleOutput, SamplingOptions, SamplingRequest
+from server.training.lora import apply_lora_wrappers
 
 # Tensor shape suffixes: T = prompt plus completion positions, V = vocabulary.
 
@@ -16,19 +18,17 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7, 64]
 TEXT_PROMPT = RenderedInput(token_ids=PROMPT, images=[], image_token_id=None)
 
 
+def random_qwen3() -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=32, vocab_size=VOCAB_SIZE)
+    return Qwen3ForCausalLM(config).eval()
+
+
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=VOCAB_SIZE,
-    )
-    return Qwen3ForCausalLM(config).eval()
+    """The reference copy; the engine runs its own (the same weights), so references never share its state."""
+    return random_qwen3()
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,26 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=word_level)
 
 
+class Sampler:
+    """The engine behind the old one-call signature, to keep these tests short."""
+
+    def __init__(self, engine: EmbeddedEngine):
+        self.engine = engine
+
+    def sample(self, prompt: RenderedInput, options: SamplingOptions, num_samples: int = 1,
+               include_prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0) -> SampleOutput:
+        return self.engine.sample(SamplingRequest(
+            prompt=prompt, options=options, num_samples=num_samples,
+            logprobs=LogprobOptions(prompt_logprobs=include_prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs)))
+
+
 @pytest.fixture(scope="module")
-def sampler(model, tokenizer):
-    return EmbeddedSampler(model, tokenizer)
+def sampler(tokenizer):
+    engine_model = random_qwen3()
+    _, slot = apply_lora_wrappers(engine_model, family_for("qwen3"))
+    engine = EmbeddedEngine(lambda: EngineModel(engine_model, slot, tokenizer))
+    yield Sampler(engine)
+    engine.close()
 
 
 def full_forward_logprobs(model, token_ids: list[int]) -> torch.Tensor:

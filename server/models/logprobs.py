@@ -1,0 +1,32 @@
+"""The output distribution that the trainer and every sampling engine share.
+
+Token ids the server refuses as input (the media placeholders: an image enters a sequence only
+through an image chunk) get zero probability: they are masked before sampling, and every logprob
+the server reports, the trainer's included, is of that renormalised distribution. A target that is
+itself a refused id (an image position) is never predicted, only given, so its logprob is 0.
+A model without refused ids keeps the plain log-softmax. Knows nothing about LoRA or requests.
+
+Shapes: N = positions, V = vocabulary, K = targets per position, M = refused ids.
+"""
+
+import torch
+
+
+def refused_ids_tensor(refused_token_ids, device: torch.device | str) -> torch.Tensor:
+    """The refused ids as the int64 tensor the functions below take."""
+    return torch.tensor(sorted(refused_token_ids), dtype=torch.long, device=device)
+
+
+def mask_refused(logits_NV: torch.Tensor, refused_M: torch.Tensor) -> torch.Tensor:
+    """The logits with -inf at the refused ids (unchanged when there are none)."""
+    if refused_M.numel() == 0:
+        return logits_NV
+    return logits_NV.index_fill(-1, refused_M, float("-inf"))
+
+
+def target_logprobs(logits_NV: torch.Tensor, targets_NK: torch.Tensor, refused_M: torch.Tensor) -> torch.Tensor:
+    """fp32 log p(target) [N, K] under the renormalised distribution; 0 where the target is refused."""
+    logprobs_NK = torch.log_softmax(mask_refused(logits_NV.float(), refused_M), dim=-1).gather(-1, targets_NK)
+    if refused_M.numel() == 0:
+        return logprobs_NK
+    return torch.where(torch.isin(targets_NK, refused_M), 0.0, logprobs_NK)

@@ -1,0 +1,239 @@
+"""The embedded engine under concurrency: requests of several adapters, prompts (with images) and
+options share its batch, join it while it decodes and leave it when they stop; each gets exactly the
+samples and logprobs it gets alone, equal to a full forward with its own adapter. Media placeholders
+are never sampled, whatever the model prefers. The tiny Qwen2-VL; references run on a second copy.
+
+Shapes: T = positions, V = vocabulary.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from server.config import ImageConfig, ModelConfig
+from server.errors import EngineUnavailable
+from server.rendering.chunks import RenderedInput, render_model_input
+from server.sampling.embedded import EmbeddedEngine, load_engine_model
+from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
+from server.training.lora import LoraAdapter, LoraTarget, apply_lora_wrappers, select_targets, use_adapter
+from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
+
+from support.vision import context_for, encode, load, noise_image
+
+BASE_MODEL = "builtin:tiny-qwen2-vl"
+
+
+@pytest.fixture(scope="module")
+def reference(models_dir):
+    """A second copy of the model with its own LoRA wrappers, for full forwards."""
+    base = load(BASE_MODEL, models_dir)
+    targets, slot = apply_lora_wrappers(base.model, base.family)
+    return base, targets, slot
+
+
+def engine_for(models_dir, **kwargs) -> tuple[EmbeddedEngine, list]:
+    """An engine and the list its forwards log (rows, cache width) to."""
+    forwards = []
+
+    def build():
+        engine_model = load_engine_model(ModelConfig(base_model=BASE_MODEL, model_path=None,
+                                                     model_cache_dir=models_dir), 1 << 26)
+        inner = engine_model.model.model
+        forward = inner.forward
+
+        def logged(*args, **call):
+            forwards.append(tuple(call["attention_mask"].shape))
+            return forward(*args, **call)
+
+        inner.forward = logged
+        return engine_model
+
+    return EmbeddedEngine(build, **kwargs), forwards
+
+
+@pytest.fixture(scope="module")
+def engine(models_dir):
+    engine, _ = engine_for(models_dir)
+    yield engine
+    engine.close()
+
+
+def adapter(targets: list[LoraTarget], seed: int, rank: int, train_unembed: bool = True) -> LoraAdapter:
+    chosen = select_targets(targets, train_attn=True, train_mlp=True, train_unembed=train_unembed)
+    lora = LoraAdapter.initialize(chosen, rank, alpha=2.0 * rank, seed=seed, device="cpu").frozen_copy()
+    generator = torch.Generator().manual_seed(seed)
+    for name, lora_B in lora.lora_B.items():
+        lora.lora_B[name] = torch.randn(lora_B.shape, generator=generator) * 0.3
+    return lora
+
+
+def prompts(base) -> list[RenderedInput]:
+    context = context_for(base, ImageConfig())
+    ids = base.tokenizer.encode
+    start, end = ids("<|vision_start|>"), ids("<|vision_end|>")
+    text = [ids("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"), ids("One two three four"),
+            ids("A much longer prompt about shapes and colours, with a few more words in it")]
+    rendered = [render_model_input(ModelInput(chunks=[EncodedTextChunk(tokens=t)]), context, "prompt") for t in text]
+    for seed, (width, height) in enumerate([(90, 60), (64, 64)]):
+        chunks = [EncodedTextChunk(tokens=ids("Look:") + start), ImageChunk(data=encode(noise_image(width, height, seed)),
+                                                                            format="png"),
+                  EncodedTextChunk(tokens=end + ids("What is it?"))]
+        rendered.append(render_model_input(ModelInput(chunks=chunks), context, "prompt"))
+    return rendered
+
+
+def reference_logprobs(reference, prompt: RenderedInput, tokens: list[int], lora: LoraAdapter | None) -> torch.Tensor:
+    """Masked log p of every token of prompt + tokens after the first, from one full forward."""
+    base, _, slot = reference
+    full = torch.tensor([prompt.expanded_token_ids() + tokens])
+    inputs = {"input_ids": full}
+    if prompt.images:
+        inputs.update(pixel_values=torch.cat([image.pixel_values for image in prompt.images]),
+                      image_grid_thw=torch.tensor([image.grid_thw for image in prompt.images]),
+                      mm_token_type_ids=(full == base.vision.image_token_id).int())
+    refused = torch.tensor(sorted(base.vision.reserved_token_ids))
+    with torch.no_grad(), use_adapter(slot, lora):
+        logits_TV = base.model(**inputs).logits[0].float()
+    logprobs_TV = logits_TV.index_fill(-1, refused, float("-inf")).log_softmax(-1)
+    targets = full[0, 1:]
+    return logprobs_TV[:-1].gather(-1, targets[:, None])[:, 0].masked_fill(torch.isin(targets, refused), 0.0)
+
+
+def assert_same_samples(output, expected) -> None:
+    """Same tokens and stop reasons; logprobs equal up to the rounding of other batch shapes."""
+    assert [(s.tokens, s.stop_reason) for s in output.sequences] == [(s.tokens, s.stop_reason) for s in expected.sequences]
+    for got, want in zip(output.sequences, expected.sequences):
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+
+
+def run_concurrently(engine: EmbeddedEngine, requests: list[SamplingRequest]) -> list:
+    results: list = [None] * len(requests)
+
+    def run(index: int) -> None:
+        results[index] = engine.sample(requests[index])
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def test_concurrent_requests_of_several_adapters_each_get_their_own_samples_and_logprobs(engine, reference):
+    base, targets, _ = reference
+    adapters = [adapter(targets, 1, 4), adapter(targets, 2, 8, train_unembed=False), None]
+    options = [SamplingOptions(max_tokens=8, temperature=0.0), SamplingOptions(max_tokens=12, seed=3),
+               SamplingOptions(max_tokens=5, seed=4, top_k=20, top_p=0.9)]
+    requests = []
+    for index, prompt in enumerate(prompts(base) * 3):
+        lora = adapters[index % 3]
+        ref = None if lora is None else AdapterRef(name=f"adapter-{index % 3}", directory=None, weights=lora)
+        requests.append(SamplingRequest(prompt=prompt, options=options[index % len(options)], adapter=ref,
+                                        num_samples=1 + index % 3,
+                                        logprobs=LogprobOptions(prompt_logprobs=index % 4 == 0)))
+    together = run_concurrently(engine, requests)
+    for request, output in zip(requests, together):
+        assert_same_samples(output, engine.sample(request))
+        lora = None if request.adapter is None else request.adapter.weights
+        length = request.prompt.num_positions
+        for sequence in output.sequences:
+            expected = reference_logprobs(reference, request.prompt, sequence.tokens, lora)
+            torch.testing.assert_close(torch.tensor(sequence.logprobs), expected[length - 1:], atol=1e-4, rtol=0)
+        if request.logprobs.prompt_logprobs:
+            assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == length
+            expected = reference_logprobs(reference, request.prompt, [], lora)
+            torch.testing.assert_close(torch.tensor(output.prompt_logprobs[1:]), expected, atol=1e-4, rtol=0)
+
+
+def test_a_short_request_sent_while_a_long_one_decodes_finishes_first(models_dir, reference):
+    engine, forwards = engine_for(models_dir)
+    prompt = prompts(reference[0])[0]
+    long = SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=400, seed=1))
+    short = SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=3, seed=2))
+    finished = []
+    try:
+        long_thread = threading.Thread(target=lambda: finished.append(("long", engine.sample(long))))
+        long_thread.start()
+        while len(forwards) < 3 and long_thread.is_alive():  # the long request is decoding
+            threading.Event().wait(0.01)
+        finished.append(("short", engine.sample(short)))
+        long_thread.join()
+        assert [name for name, _ in finished] == ["short", "long"]
+        # Joining the batch changed neither request's samples.
+        for (_, output), request in zip(finished, [short, long]):
+            assert_same_samples(output, engine.sample(request))
+    finally:
+        engine.close()
+
+
+def test_requests_beyond_the_token_budget_wait_their_turn(models_dir, reference):
+    budget = 96
+    engine, forwards = engine_for(models_dir, max_batch_tokens=budget)
+    prompt = prompts(reference[0])[1]  # 4 tokens
+    requests = [SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=10, seed=seed), num_samples=2)
+                for seed in range(6)]
+    try:
+        together = run_concurrently(engine, requests)
+        assert max(rows * width for rows, width in forwards) <= budget
+        assert max(rows for rows, _ in forwards) >= 4  # more than one request at a time all the same
+        for request, output in zip(requests, together):
+            assert_same_samples(output, engine.sample(request))
+    finally:
+        engine.close()
+
+
+def test_media_placeholders_are_never_sampled_and_logprobs_are_renormalised(engine, reference):
+    base, targets, slot = reference
+    refused = sorted(base.vision.reserved_token_ids)
+    lora = adapter(targets, 5, 4)
+    ref = AdapterRef(name="with-lm-head", directory=None, weights=lora)
+    prompt = prompts(base)[3]  # with an image
+    requests = [SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=128, temperature=1.0, seed=seed),
+                                adapter=ref, num_samples=8) for seed in range(8)]
+    outputs = run_concurrently(engine, requests)
+    sequences = [sequence for output in outputs for sequence in output.sequences]
+    sampled = [token for sequence in sequences for token in sequence.tokens]
+    assert len(sampled) == 8 * 8 * 128 and not set(sampled) & set(refused)
+    # Without the mask the placeholders would have come up: their mass, summed over the sampled steps.
+    expected_placeholders = 0.0
+    for sequence in sequences:
+        full = torch.tensor([prompt.expanded_token_ids() + sequence.tokens])
+        with torch.no_grad(), use_adapter(slot, lora):
+            logits_TV = base.model(input_ids=full, pixel_values=torch.cat([i.pixel_values for i in prompt.images]),
+                                   image_grid_thw=torch.tensor([i.grid_thw for i in prompt.images]),
+                                   mm_token_type_ids=(full == base.vision.image_token_id).int()).logits[0].float()
+        steps_TV = logits_TV[prompt.num_positions - 1:-1]
+        expected_placeholders += float(steps_TV.softmax(-1)[:, refused].sum())
+        # The returned logprobs are the renormalised ones the sampler drew from.
+        masked = steps_TV.index_fill(-1, torch.tensor(refused), float("-inf")).log_softmax(-1)
+        expected = masked.gather(-1, torch.tensor(sequence.tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(sequence.logprobs), expected, atol=1e-4, rtol=0)
+    assert expected_placeholders > 5, expected_placeholders
+
+
+def test_a_request_that_fails_fails_alone_and_the_engine_serves_the_next(engine, reference):
+    base, targets, _ = reference
+    prompt = prompts(base)[0]
+    good = SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=6, seed=1))
+    broken = adapter(targets, 6, 4)
+    name = next(iter(broken.lora_A))
+    broken.lora_A[name] = torch.zeros(4, 3)  # the wrong shape for its layer
+    bad = SamplingRequest(prompt=prompt, options=good.options,
+                          adapter=AdapterRef(name="broken", directory=None, weights=broken))
+    results = {}
+
+    def run(key, request):
+        try:
+            results[key] = engine.sample(request)
+        except EngineUnavailable as error:
+            results[key] = error
+
+    threads = [threading.Thread(target=run, args=(key, request)) for key, request in [("good", good), ("bad", bad)]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert isinstance(results["bad"], EngineUnavailable) and "failed" in str(results["bad"])
+    assert_same_samples(results["good"], engine.sample(good))

@@ -1,0 +1,84 @@
+"""One adapter per row (use_adapter_rows): equal to each row run with its own adapter, forward and
+backward, for adapters of different ranks and targets and base-model rows; nothing outlives the block.
+
+Shapes: B = rows, T = positions, V = vocabulary.
+"""
+
+import pytest
+import torch
+
+from server.config import ModelConfig
+from server.models.loading import load_base_model
+from server.training.lora import (AdapterStack, LoraAdapter, apply_lora_wrappers, select_targets, use_adapter,
+                                  use_adapter_rows)
+
+BASE_MODEL = "builtin:tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def model_and_adapters(models_dir):
+    base = load_base_model(ModelConfig(base_model=BASE_MODEL, model_path=None, model_cache_dir=models_dir))
+    targets, slot = apply_lora_wrappers(base.model, base.family)
+    adapters = []
+    # Different ranks and targets: the second adapts neither the MLP nor lm_head.
+    for seed, rank, mlp_and_unembed in [(1, 4, True), (2, 8, False)]:
+        chosen = select_targets(targets, train_attn=True, train_mlp=mlp_and_unembed, train_unembed=mlp_and_unembed)
+        adapter = LoraAdapter.initialize(chosen, rank, alpha=16.0, seed=seed, device="cpu")
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for lora_B in adapter.lora_B.values():
+                lora_B.copy_(torch.randn(lora_B.shape, generator=generator) * 0.2)
+        adapters.append(adapter)
+    return base.model, slot, adapters
+
+
+def logits_BTV(model, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=input_ids_BT).logits.float()
+
+
+def test_each_row_gets_exactly_its_own_adapter(model_and_adapters):
+    model, slot, (first, second) = model_and_adapters
+    input_ids_BT = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [5, 6, 7, 8]])
+    row_adapters = [first, second, None, second]
+    stack = AdapterStack(slot, [None, first, second], torch.float32)
+    with torch.no_grad(), use_adapter_rows(slot, stack, torch.tensor([1, 2, 0, 2])):
+        together = logits_BTV(model, input_ids_BT)
+    for row, adapter in enumerate(row_adapters):
+        with torch.no_grad(), use_adapter(slot, adapter):
+            alone = logits_BTV(model, input_ids_BT[row:row + 1])[0]
+        torch.testing.assert_close(together[row], alone, atol=1e-5, rtol=0)
+    # Rows 0 and 3 share the prompt but not the adapter.
+    assert (together[0] - together[3]).abs().max() > 1e-2
+
+
+def test_gradients_land_in_each_adapters_own_tensors(model_and_adapters):
+    model, slot, adapters = model_and_adapters
+    trainable = [LoraAdapter(a.rank, a.alpha, {k: v.detach().clone().requires_grad_() for k, v in a.lora_A.items()},
+                             {k: v.detach().clone().requires_grad_() for k, v in a.lora_B.items()}) for a in adapters]
+    input_ids_BT = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    weights_BTV = torch.randn(3, 4, model.config.vocab_size, generator=torch.Generator().manual_seed(0))
+    stack = AdapterStack(slot, [trainable[0], trainable[1], None], torch.float32)
+    with use_adapter_rows(slot, stack, torch.tensor([0, 1, 2])):
+        (logits_BTV(model, input_ids_BT).log_softmax(-1) * weights_BTV).sum().backward()
+    together = [[t.grad.clone() for t in a.parameters()] for a in trainable]
+    for row, adapter in enumerate(trainable):
+        for tensor in adapter.parameters():
+            tensor.grad = None
+        with use_adapter(slot, adapter):
+            rows = slice(row, row + 1)
+            (logits_BTV(model, input_ids_BT[rows]).log_softmax(-1) * weights_BTV[rows]).sum().backward()
+        for got, expected in zip(together[row], [t.grad for t in adapter.parameters()]):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_nothing_one_forward_sets_outlives_its_block(model_and_adapters):
+    model, slot, (first, second) = model_and_adapters
+    input_ids_BT = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        plain = logits_BTV(model, input_ids_BT)
+        with use_adapter_rows(slot, AdapterStack(slot, [second], torch.float32), torch.tensor([0])):
+            logits_BTV(model, input_ids_BT)
+        with use_adapter(slot, first):
+            logits_BTV(model, input_ids_BT)
+        assert torch.equal(logits_BTV(model, input_ids_BT), plain)
+    assert all(layer.lora_A is None and layer.stacked_A is None and layer.row_adapter_B is None for layer in slot.layers)
