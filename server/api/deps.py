@@ -24,7 +24,7 @@ from server.rendering.chunks import RenderContext, RenderedInput
 from server.rendering.provenance import position_keys
 from server.rendering.sampling import VLLMRenderer
 from server.sampling.adapters import SamplerAdapters
-from server.sampling.engine import AdapterRef, EmbeddedEngine, VLLMEngine, checkpoint_adapter_name
+from server.sampling.engine import EmbeddedEngine, VLLMEngine, checkpoint_adapter_name
 from server.sampling.types import SampledSequence
 from server.scheduler.scheduler import Scheduler, Work
 from server.store.checkpoints import parse_tinker_path
@@ -213,14 +213,18 @@ def json_result(response: BaseModel) -> tuple[bytes, str]:
 
 
 def record_sampled_sequences(services: Services, sampler: SamplingSessionRecord, prompt: RenderedInput,
-                             adapter: AdapterRef | None, sequence_ids: list[str],
+                             adapter: str | None, sequence_ids: list[str],
                              sequences: list[SampledSequence]) -> None:
-    """Keep what a record_stability_info request sampled, per returned sequence, for its session."""
+    """Keep what a record_stability_info request sampled, per returned sequence, for its session.
+
+    Args:
+        adapter: the name of the adapter version that sampled them; None for the base model.
+    """
     keys = position_keys(prompt.expanded_token_ids(), prompt.images, prompt.image_token_id)
     services.store.sampled_sequences.record([
         SampledSequenceRecord(sequence_id=sequence_id, owner=sampler.owner, session_id=sampler.session_id,
                               sampling_session_id=sampler.sampling_session_id,
-                              adapter=adapter.name if adapter is not None else None, prompt_keys=keys,
+                              adapter=adapter, prompt_keys=keys,
                               tokens=sequence.tokens, logprobs=sequence.logprobs)
         for sequence_id, sequence in zip(sequence_ids, sequences, strict=True)])
 

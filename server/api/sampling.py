@@ -137,7 +137,8 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
             prompt_logprobs = prompt_logprobs and [None] * first + prompt_logprobs[first:]
             topk = topk and [None] * first + topk[first:]
         if sample.record_stability_info:
-            record_sampled_sequences(services, record, prompt, adapter, sequence_ids, output.sequences)
+            record_sampled_sequences(services, record, prompt, adapter and adapter.name, sequence_ids,
+                                     output.sequences)
         sequences = [SampledSequenceOut(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason)
                      for s in output.sequences]
         return encode_sample_response(sequences, prompt_logprobs=prompt_logprobs,
