@@ -10,6 +10,8 @@ for the same image. Knows nothing about sampling, rewards or losses.
 """
 
 import hashlib
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ Chunk = types.EncodedTextChunk | types.ImageChunk
 # Stand-ins for the turn before the new messages: only what the template writes after them is kept.
 _BEFORE = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
 _MARKER = "\x00end-of-content\x00"
+RECENT_IMAGES = 256
+"""Image chunks kept for reuse (PNG encoding is deterministic, so an evicted image still gets the same bytes)."""
 
 
 class ChatRenderer:
@@ -42,7 +46,8 @@ class ChatRenderer:
         self.chunker = chunker
         self.image_placeholder = image_placeholder
         self.template_kwargs = template_kwargs or {}
-        self._images: dict[str, types.ImageChunk] = {}
+        self._images: OrderedDict[str, types.ImageChunk] = OrderedDict()
+        self._lock = threading.Lock()
         after_assistant = self._template([{"role": "user", "content": "."},
                                           {"role": "assistant", "content": _MARKER}], generation_prompt=False)
         self.end_of_turn = self._encode(after_assistant.split(_MARKER)[-1])
@@ -83,13 +88,18 @@ class ChatRenderer:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
     def image_chunk(self, image: Image.Image) -> types.ImageChunk:
-        """The image's chunk; one object (so the same bytes) for every appearance of the same pixels."""
+        """The image's chunk: the same bytes for the same pixels, one object while it is among the recent ones."""
         if self.chunker is None:
             raise ValueError("this model takes no images (its directory has no preprocessor_config.json)")
         key = hashlib.sha256(f"{image.mode}{image.size}".encode() + image.tobytes()).hexdigest()
-        if key not in self._images:
-            self._images[key] = self.chunker.chunk(image)
-        return self._images[key]
+        with self._lock:  # the envs of a group render on several threads
+            chunk = self._images.pop(key, None)
+        chunk = chunk or self.chunker.chunk(image)
+        with self._lock:
+            self._images[key] = self._images.get(key, chunk)
+            if len(self._images) > RECENT_IMAGES:
+                self._images.popitem(last=False)
+            return self._images[key]
 
     def _template(self, messages: list[Message], generation_prompt: bool) -> str:
         plain = [{**m, "content": [{"type": "image"} if _is_image(part) else part for part in m["content"]]}

@@ -142,7 +142,7 @@ class Episode:
                 minus a baseline); it goes on that turn's sampled tokens only.
         """
         acted = [turn for turn in self.turns if turn.acted]
-        per_turn = list(advantages) if isinstance(advantages, Sequence) else [float(advantages)] * len(acted)
+        per_turn = [float(advantages)] * len(acted) if np.ndim(advantages) == 0 else [float(a) for a in advantages]
         if len(per_turn) != len(acted):
             raise ValueError(f"{len(per_turn)} advantages for {len(acted)} turns")
         by_turn = dict(zip(map(id, acted), per_turn))

@@ -70,7 +70,7 @@ def test_a_three_turn_two_image_episode_has_the_templates_exact_tokens_and_masks
     renderer = renderer_for(models_dir, family)
     episode, actions = three_turn_episode(renderer)
 
-    (rollout,) = episode.training_data([1.0, -2.0, 0.5], "gspo")
+    (rollout,) = episode.training_data(np.array([1.0, -2.0, 0.5]), "gspo")
 
     system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" if DEFAULT_SYSTEM[family] else ""
     expected = flat(types.ModelInput(chunks=expected_chunks(renderer, [
