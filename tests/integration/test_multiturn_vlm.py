@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import tinker
 from PIL import Image
 
 from client_compat.chat import ChatRenderer

@@ -142,9 +142,8 @@ def test_every_wrong_claim_is_a_400_that_says_what_differs(qwen2_vl):
     advantages[0] = 0.5
     with pytest.raises(InvalidRequest, match="only accepts nonzero advantages on sampled tokens; target 0 is in a "
                                              "prompt span of sequence s1"):
-        check(qwen2_vl, dataclasses.replace(datum, loss_fn_inputs={**datum.loss_fn_inputs,
-                                                                   "advantages": tinker.TensorData.from_numpy(advantages)}),
-              records)
+        inputs = {**datum.loss_fn_inputs, "advantages": tinker.TensorData.from_numpy(advantages)}
+        check(qwen2_vl, dataclasses.replace(datum, loss_fn_inputs=inputs), records)
 
 
 def test_a_datum_with_another_image_than_the_one_sampled_is_refused(qwen2_vl):

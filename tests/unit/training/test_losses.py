@@ -291,7 +291,8 @@ def _stable_reinforce_inputs(seed: int) -> tuple[torch.Tensor, dict[str, torch.T
                       RECORDED_LOGPROBS: inputs["logprobs"] * sampled_N, SAMPLED_MASK: sampled_N}
 
 
-@pytest.mark.parametrize(("config", "kl_coeff", "cap"), [(None, 0.05, 2.0), ({"kl_coeff": 0.5, "ratio_cap": 1.5}, 0.5, 1.5)],
+@pytest.mark.parametrize(("config", "kl_coeff", "cap"),
+                         [(None, 0.05, 2.0), ({"kl_coeff": 0.5, "ratio_cap": 1.5}, 0.5, 1.5)],
                          ids=["defaults", "overridden"])
 def test_stable_reinforce_value_and_gradient_match_the_documented_formula(config, kl_coeff, cap):
     logprobs, inputs = _stable_reinforce_inputs(20)
