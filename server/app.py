@@ -62,11 +62,12 @@ def build_services(config: ServerConfig) -> Services:
 
 
 async def _retention_loop(services: Services) -> None:
-    """Keep the futures journal bounded."""
+    """Keep the futures journal and the sequences recorded for stable_reinforce bounded."""
     while True:
         await asyncio.sleep(RETENTION_INTERVAL_SECONDS)
         seconds = services.config.store.future_retention_seconds
         await asyncio.to_thread(services.store.delete_finished_futures_older_than, seconds)
+        await asyncio.to_thread(services.store.sampled_sequences.delete_expired)
 
 
 async def _session_expiry_loop(services: Services) -> None:

@@ -16,6 +16,7 @@ from server.api.deps import (
     new_request_id,
     payload_hash,
     read_body,
+    record_sampled_sequences,
     sampler_of,
     session_of,
 )
@@ -118,11 +119,18 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
     if sample.topk_sample_logprobs or sample.prompt_alt_tokens_k or sample.target_prompt_logprobs is not None:
         raise InvalidRequest("topk_sample_logprobs, prompt_alt_tokens_k and target_prompt_logprobs are not "
                              "supported by this server yet")
+    if sample.record_stability_info and record is None:
+        raise InvalidRequest("record_stability_info needs a sampling session: recorded sequences belong to its session")
     prompt = await asyncio.to_thread(services.sampling_renderer.render, sample.prompt)
     sampling = SamplingRequest(prompt=prompt, options=sampling_options(services, sample, prompt), adapter=adapter,
                                num_samples=sample.num_samples,
                                logprobs=LogprobOptions(prompt_logprobs=bool(sample.prompt_logprobs),
                                                        topk_prompt_logprobs=sample.topk_prompt_logprobs))
+    sampler_id = sample.sampling_session_id or f"direct:{owner}"
+    seq_id = sample.seq_id
+    request_id = new_request_id()
+    sequence_ids = [f"{sampler_id}:seq:{request_id if seq_id is None else seq_id}:{i}"
+                    for i in range(sample.num_samples)]
 
     def work():
         output = services.sampler.sample(sampling)
@@ -132,16 +140,15 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
             first = max(0, prompt.num_positions - sample.prompt_logprobs_last_n)
             prompt_logprobs = prompt_logprobs and [None] * first + prompt_logprobs[first:]
             topk = topk and [None] * first + topk[first:]
+        if sample.record_stability_info:
+            record_sampled_sequences(services, record, prompt, adapter and adapter.name, sequence_ids,
+                                     output.sequences)
         sequences = [SampledSequenceOut(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason)
                      for s in output.sequences]
         return encode_sample_response(sequences, prompt_logprobs=prompt_logprobs,
                                       topk_prompt_logprobs=topk), PROTOBUF
 
-    sampler_id = sample.sampling_session_id or f"direct:{owner}"
-    seq_id = sample.seq_id
     request_id = await services.scheduler.submit_sampling(
-        request_id=new_request_id(), sampling_session_id=sampler_id, seq_id=seq_id, payload_hash=payload_hash(body),
+        request_id=request_id, sampling_session_id=sampler_id, seq_id=seq_id, payload_hash=payload_hash(body),
         work=work)
-    sequence_ids = [f"{sampler_id}:seq:{request_id if seq_id is None else seq_id}:{i}"
-                    for i in range(sample.num_samples)]
     return UntypedAPIFuture(request_id=request_id, sample_sequence_ids=sequence_ids)

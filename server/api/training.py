@@ -2,8 +2,10 @@
 
 from fastapi import APIRouter, Request
 
-from server.api.deps import PROTOBUF, OwnerDep, ServicesDep, json_result, read_body, run_of, submit_training_op
+from server.api.deps import (PROTOBUF, OwnerDep, ServicesDep, json_result, read_body, recorded_sequences_of, run_of,
+                             submit_training_op)
 from server.errors import InvalidRequest
+from server.rendering.provenance import attach_recorded_samples, named_sequence_ids
 from server.rendering.training import render_training_datum
 from server.training.losses import resolve_loss
 from server.wire.proto import decode_forward_backward_request, encode_forward_backward_output
@@ -21,14 +23,19 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
         fwdbwd = decode_forward_backward_request(body, request.headers.get("content-encoding"))
     except ValueError as error:
         raise InvalidRequest(f"malformed forward_backward request: {error}") from None
-    run_of(services.store, fwdbwd.model_id, owner)
+    run = run_of(services.store, fwdbwd.model_id, owner)
 
     def prepare():
         if not fwdbwd.data:
             raise InvalidRequest("forward_backward needs at least one datum")
         spec, _ = resolve_loss(fwdbwd.loss_fn, fwdbwd.loss_fn_config)
-        examples = [render_training_datum(datum, index, services.render_context, spec.inputs)
+        examples = [render_training_datum(datum, index, services.render_context, spec.inputs, spec.optional_inputs)
                     for index, datum in enumerate(fwdbwd.data)]
+        if spec.needs_provenance:
+            recorded = recorded_sequences_of(services, named_sequence_ids(fwdbwd.data), owner, run.session_id)
+            vision = services.render_context.vision
+            for index, (datum, example) in enumerate(zip(fwdbwd.data, examples)):
+                attach_recorded_samples(example, datum, index, recorded, vision.image_token_id if vision else None)
 
         def work():
             result = services.trainer.forward_backward(fwdbwd.model_id, examples, fwdbwd.loss_fn,

@@ -29,10 +29,12 @@ class TrainingExample:
 
 
 def check_loss_fn_inputs(index: int, num_positions: int, given: dict[str, torch.Tensor],
-                         required: tuple[str, ...], vocab_size: int) -> dict[str, torch.Tensor]:
-    """The loss inputs a loss needs, shaped like target_tokens ([N] or [N, K], N = rendered length).
+                         required: tuple[str, ...], vocab_size: int,
+                         optional: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+    """The loss inputs a loss needs (and the optional ones given), shaped like target_tokens ([N] or [N, K]).
 
-    Missing `weights` default to ones; targets become int64 and everything else float32.
+    N is the rendered length. Missing `weights` default to ones; targets become int64 and everything
+    else float32.
     """
     if "target_tokens" not in given:
         raise InvalidRequest(f"datum {index}: loss_fn_inputs needs target_tokens")
@@ -44,7 +46,7 @@ def check_loss_fn_inputs(index: int, num_positions: int, given: dict[str, torch.
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise InvalidRequest(f"datum {index}: target_tokens must be in [0, {vocab_size})")
     inputs = {"target_tokens": targets}
-    for name in required:
+    for name in (*required, *(name for name in optional if name in given)):
         if name not in given:
             if name != "weights":
                 raise InvalidRequest(f"datum {index}: loss_fn_inputs needs {name}")
@@ -58,13 +60,13 @@ def check_loss_fn_inputs(index: int, num_positions: int, given: dict[str, torch.
     return inputs
 
 
-def render_training_datum(datum: Datum, index: int, context: RenderContext,
-                          required_inputs: tuple[str, ...]) -> TrainingExample:
+def render_training_datum(datum: Datum, index: int, context: RenderContext, required_inputs: tuple[str, ...],
+                          optional_inputs: tuple[str, ...] = ()) -> TrainingExample:
     """One datum as the trainer consumes it, with its loss inputs checked against its rendered length."""
     rendered = render_model_input(datum.model_input, context, f"datum {index}")
     input_ids = rendered.expanded_token_ids()
     loss_fn_inputs = check_loss_fn_inputs(index, len(input_ids), datum.loss_fn_inputs, required_inputs,
-                                          context.vocab_size)
+                                          context.vocab_size, optional_inputs)
     positions = position_ids(rendered, context.vision) if rendered.images else None
     return TrainingExample(input_ids=input_ids, loss_fn_inputs=loss_fn_inputs, images=rendered.images,
                            position_ids=positions)

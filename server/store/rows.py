@@ -176,3 +176,31 @@ class SamplingSessionRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
     __table_args__ = (sa.Index(None, "session_id"),)
+
+
+# ---------------------------------------------------------------------------------------------
+# stable_reinforce: what was sampled with record_stability_info (queries in sampled_sequences.py)
+
+
+class SampledSequenceRow(Base):
+    """One sampled sequence, kept so that training on it can be checked against what was sampled.
+
+    The arrays are little-endian bytes: prompt_keys int64 (token ids, and an image's key at each of
+    its positions), tokens int32, logprobs float32.
+    """
+
+    __tablename__ = "sampled_sequences"
+
+    sequence_id: Mapped[str] = mapped_column(sa.String, primary_key=True)
+    owner: Mapped[str] = mapped_column(sa.String)
+    session_id: Mapped[str] = mapped_column(sa.String)
+    sampling_session_id: Mapped[str] = mapped_column(sa.String)
+    adapter: Mapped[str | None] = mapped_column(sa.String)
+    """The adapter version that sampled it; None for the base model."""
+    prompt_keys: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    tokens: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    logprobs: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    __table_args__ = (sa.Index(None, "expires_at"),)

@@ -14,6 +14,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import sessionmaker
 
 from server.store.db import build_engine, upgrade_to_head
+from server.store.sampled_sequences import SampledSequences
 from server.store.rows import Base, CheckpointRow, FutureRow, SamplingSessionRow, SessionRow, TrainingRunRow
 
 FutureStatus = Literal["pending", "complete", "failed"]
@@ -131,6 +132,8 @@ class Store:
         self._transaction = sessionmaker(self.engine, expire_on_commit=False).begin
         # INSERT ... ON CONFLICT lets the database settle races between threads and replicas.
         self._insert = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}[self.engine.dialect.name]
+        self.sampled_sequences = SampledSequences(self.engine)
+        """Sequences sampled with record_stability_info (stable_reinforce); a module of its own."""
 
     def close(self) -> None:
         """Close every pooled connection."""

@@ -2,8 +2,10 @@
 
 Each loss takes the current policy's logprobs of the targets (`logprobs_N`, or `logprobs_NK` for
 top-K cross-entropy), the datum's loss_fn_inputs and the loss_fn_config, and returns the per-token
-loss (`elementwise`, same shape) whose sum is the datum's contribution to `loss:sum`.
-Knows nothing about models, batching or the wire.
+loss (`elementwise`, same shape) whose sum is the datum's contribution to `loss:sum`. A loss may
+also report per-datum metrics ("name:reduction"), combined over the request's datums.
+Knows nothing about models, batching or the wire; stable_reinforce's recorded inputs are put on
+each datum by the provenance check before the loss runs.
 
 Shapes: N = positions of the datum, K = targets per position.
 """
@@ -14,8 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from server.errors import InvalidRequest
+from server.rendering.provenance import RECORDED_LOGPROBS, SAMPLED_MASK
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor], dict[str, float]], torch.Tensor]
+MetricsFn = Callable[[torch.Tensor, dict[str, torch.Tensor], dict[str, float]], dict[str, float]]
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,12 @@ class LossSpec:
     """loss_fn_inputs every datum must carry besides target_tokens."""
     config_defaults: dict[str, float]
     """The loss_fn_config keys this loss understands, with their defaults."""
+    optional_inputs: tuple[str, ...] = ()
+    """loss_fn_inputs used when a datum carries them."""
+    metrics: MetricsFn | None = None
+    """Per-datum metrics, "name:reduction" with reduction sum, max or mean (over datums)."""
+    needs_provenance: bool = False
+    """Datums must carry provenance spans, checked against the recorded samples (stable_reinforce)."""
 
 
 def cross_entropy(logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]) -> torch.Tensor:
@@ -56,6 +66,68 @@ def dro(logprobs_N: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[
     return -(logprobs_N * inputs["advantages"] - penalty_N)
 
 
+# -- gspo: GSPO-token (Zheng et al. 2025, arXiv 2507.18071 eqs. 14-15), as Tinker documents it -----------
+
+
+def _sequence_log_ratio(logprobs_N: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """log s: the unweighted mean of sg(logp) - q over the datum's masked positions (0 if there are none).
+
+    The mask is sequence_ratio_mask != 0; a datum without one (the cookbook's rl/train.py never sends
+    it) uses its positions with a nonzero advantage, which are the sampled tokens.
+    """
+    mask = inputs.get("sequence_ratio_mask")
+    mask_N = (mask if mask is not None else inputs["advantages"]) != 0
+    log_ratio_N = torch.where(mask_N, logprobs_N.detach() - inputs["logprobs"], 0.0)
+    # No division by zero and no host sync: an empty mask gives 0 / 1.
+    return log_ratio_N.sum() / mask_N.sum().clamp(min=1)
+
+
+def gspo(logprobs_N: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]) -> torch.Tensor:
+    # One ratio per datum: every position's ratio has the value s and the gradient s * grad(logp).
+    ratio_N = torch.exp(_sequence_log_ratio(logprobs_N, inputs) + logprobs_N - logprobs_N.detach())
+    advantages_N = inputs["advantages"]
+    clipped_N = ratio_N.clamp(config["clip_low_threshold"], config["clip_high_threshold"])
+    return -torch.minimum(ratio_N * advantages_N, clipped_N * advantages_N)
+
+
+def gspo_metrics(logprobs_N: torch.Tensor, inputs: dict[str, torch.Tensor],
+                 config: dict[str, float]) -> dict[str, float]:
+    ratio = float(torch.exp(_sequence_log_ratio(logprobs_N, inputs)))
+    return {"sequence_ratio:mean": ratio, "sequence_ratio:max": ratio,
+            "sequence_ratio_mask_missing:sum": float("sequence_ratio_mask" not in inputs)}
+
+
+# -- stable_reinforce: this server's own objective (the hosted one is not public; see the README) ----------
+
+
+def stable_reinforce(logprobs_N: torch.Tensor, inputs: dict[str, torch.Tensor],
+                     config: dict[str, float]) -> torch.Tensor:
+    """Truncated-importance-weighted REINFORCE on the sampled tokens, plus a quadratic pull toward the sampler.
+
+    loss_t = -sg(min(exp(logp_t - q*_t), C)) * A_t * logp_t + kl_coeff / 2 * (logp_t - q*_t)^2 on sampled
+    tokens (0 elsewhere), where q* is the sampler's logprob as recorded when the token was sampled.
+    """
+    sampled_N = inputs[SAMPLED_MASK] != 0
+    # where(), not a product with the mask: a -inf logprob off the sampled tokens must not become NaN.
+    log_ratio_N = torch.where(sampled_N, logprobs_N - inputs[RECORDED_LOGPROBS], 0.0)
+    weight_N = torch.exp(log_ratio_N.detach()).clamp(max=config["ratio_cap"])
+    policy_N = torch.where(sampled_N, -weight_N * inputs["advantages"] * logprobs_N, 0.0)
+    return policy_N + 0.5 * config["kl_coeff"] * log_ratio_N ** 2
+
+
+def stable_reinforce_metrics(logprobs_N: torch.Tensor, inputs: dict[str, torch.Tensor],
+                             config: dict[str, float]) -> dict[str, float]:
+    sampled_N = inputs[SAMPLED_MASK] != 0
+    ratio_S = torch.exp(logprobs_N[sampled_N] - inputs[RECORDED_LOGPROBS][sampled_N])
+    # The client's copy of the sampler logprobs should be the recorded one; count where it is not.
+    mismatched = (inputs["logprobs"][sampled_N] - inputs[RECORDED_LOGPROBS][sampled_N]).abs() > 1e-4
+    return {"importance_weight:mean": float(ratio_S.clamp(max=config["ratio_cap"]).mean()) if ratio_S.numel() else 1.0,
+            "importance_ratio:max": float(ratio_S.max()) if ratio_S.numel() else 1.0,
+            "importance_ratio_capped:sum": float((ratio_S > config["ratio_cap"]).sum()),
+            "sampled_tokens:sum": float(ratio_S.numel()),
+            "sampler_logprobs_mismatched:sum": float(mismatched.sum())}
+
+
 _POLICY_INPUTS = ("logprobs", "advantages")
 LOSSES: dict[str, LossSpec] = {
     "cross_entropy": LossSpec(cross_entropy, ("weights",), {}),
@@ -63,7 +135,22 @@ LOSSES: dict[str, LossSpec] = {
     "ppo": LossSpec(ppo, _POLICY_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     "cispo": LossSpec(cispo, _POLICY_INPUTS, {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}),
     "dro": LossSpec(dro, _POLICY_INPUTS, {"beta": 0.05}),
+    # The clip defaults are not documented by Tinker; PPO's, under the same keys.
+    "gspo": LossSpec(gspo, _POLICY_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+                     optional_inputs=("sequence_ratio_mask",), metrics=gspo_metrics),
+    "stable_reinforce": LossSpec(stable_reinforce, _POLICY_INPUTS, {"kl_coeff": 0.05, "ratio_cap": 2.0},
+                                 metrics=stable_reinforce_metrics, needs_provenance=True),
 }
+
+
+def combine_metrics(per_datum: list[dict[str, float]]) -> dict[str, float]:
+    """One request's metrics from its datums' (the same keys each), by each key's reduction."""
+    combined = {}
+    for key in per_datum[0] if per_datum else ():
+        values = [metrics[key] for metrics in per_datum]
+        reduction = key.split(":")[1]
+        combined[key] = {"sum": sum, "max": max, "mean": lambda v: sum(v) / len(v)}[reduction](values)
+    return combined
 
 
 def resolve_loss(loss_fn: str, loss_fn_config: dict[str, float | str] | None) -> tuple[LossSpec, dict[str, float]]:

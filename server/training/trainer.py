@@ -26,7 +26,7 @@ from server.rendering.training import TrainingExample
 from server.training import checkpoint_io
 from server.training.forward import TargetLogprobs
 from server.training.lora import LoraAdapter, LoraTarget, apply_lora_wrappers, select_targets, use_adapter
-from server.training.losses import resolve_loss
+from server.training.losses import LossSpec, combine_metrics, resolve_loss
 from server.training.parallel import TrainingGroup, apply_fsdp
 from server.wire.types import AdamParams, LoraConfig
 
@@ -142,19 +142,23 @@ class Trainer:
         plan = self._plan(examples) if self.group.is_leader else None
         microbatches: list[MicroBatch] = self.group.scatter(plan) if self.group.world_size > 1 else plan[0]
         outputs: dict[int, dict[str, np.ndarray]] = {}
+        datum_metrics: dict[int, dict[str, float]] = {}
         total_loss = 0.0
         with use_adapter(self.slot, run.adapter), torch.set_grad_enabled(not forward_only):
             for batch in microbatches:
-                batch_loss = self._run_microbatch(batch, spec, config, outputs)
+                batch_loss = self._run_microbatch(batch, spec, config, outputs, datum_metrics)
                 if not forward_only:
                     batch_loss.backward()
                 total_loss += float(batch_loss.detach())
-        shares = self.group.gather((outputs, total_loss)) if self.group.world_size > 1 else [(outputs, total_loss)]
+        share = (outputs, datum_metrics, total_loss)
+        shares = self.group.gather(share) if self.group.world_size > 1 else [share]
         if not self.group.is_leader:
             return None
-        merged = {index: output for share, _ in shares for index, output in share.items()}
+        merged = {index: output for outputs, _, _ in shares for index, output in outputs.items()}
+        merged_metrics = {index: metrics for _, per_datum, _ in shares for index, metrics in per_datum.items()}
+        metrics = combine_metrics([merged_metrics[index] for index in sorted(merged_metrics)])
         return ForwardBackwardResult(outputs=[merged[index] for index in range(len(examples))],
-                                     metrics={"loss:sum": sum(loss for _, loss in shares)})
+                                     metrics={"loss:sum": sum(loss for _, _, loss in shares), **metrics})
 
     def _plan(self, examples: list[TrainingExample]) -> list[list[MicroBatch]]:
         """Datums split among ranks by tokens, then into length-sorted micro-batches under the token budget.
@@ -182,9 +186,11 @@ class Trainer:
         most = max(len(batches) for batches in plans)
         return [batches + [[]] * (most - len(batches)) for batches in plans]
 
-    def _run_microbatch(self, batch: MicroBatch, spec, config: dict[str, float],
-                        outputs: dict[int, dict[str, np.ndarray]]) -> torch.Tensor:
-        """The summed loss of one micro-batch; each datum's logprobs and elementwise loss go to `outputs`."""
+    def _run_microbatch(self, batch: MicroBatch, spec: LossSpec, config: dict[str, float],
+                        outputs: dict[int, dict[str, np.ndarray]],
+                        datum_metrics: dict[int, dict[str, float]]) -> torch.Tensor:
+        """The summed loss of one micro-batch; each datum's logprobs and elementwise loss go to `outputs`,
+        and its metrics (if the loss has any) to `datum_metrics`."""
         if not batch:
             # A rank with no datum left still joins the collectives of the others' forward and backward.
             keep_pace = [TrainingExample(input_ids=[0],
@@ -203,6 +209,8 @@ class Trainer:
             batch_loss = batch_loss + elementwise.sum()
             outputs[index] = {"logprobs": logprobs.detach().float().cpu().numpy(),
                               "elementwise_loss": elementwise.detach().float().cpu().numpy()}
+            if spec.metrics is not None:
+                datum_metrics[index] = spec.metrics(logprobs.detach(), inputs, config)
             start = stop
         return batch_loss
 

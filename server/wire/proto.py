@@ -26,6 +26,7 @@ from server.wire.types import (
     ForwardBackwardRequest,
     ImageChunk,
     ModelInput,
+    ProvenanceSpan,
     TensorData,
     densify_csr,
 )
@@ -126,13 +127,36 @@ def _zstd_decompress(body: bytes, max_bytes: int) -> bytes:
 
 def _decode_datum(message: pb.Datum, where: str) -> Datum:
     chunks = [_decode_chunk(c, f"{where}.model_input[{j}]") for j, c in enumerate(message.model_input)]
+    # proto3 cannot tell an empty list from an absent one; the SDK sends both lists or neither.
+    spans = {
+        field: [_decode_span(span, f"{where}.{field}[{j}]") for j, span in enumerate(getattr(message, field))]
+        or None
+        for field in ("model_input_spans", "loss_fn_input_spans")
+    }
+    if (spans["model_input_spans"] is None) != (spans["loss_fn_input_spans"] is None):
+        raise InvalidRequest(f"{where}: provenance comes as a pair: set both model_input_spans and "
+                             f"loss_fn_input_spans or neither")
     return Datum(
         model_input=ModelInput.model_construct(chunks=chunks),
         loss_fn_inputs={
             name: _decode_tensor(tensor, f"{where}.loss_fn_inputs[{name!r}]")
             for name, tensor in message.loss_fn_inputs.items()
         },
+        **spans,
     )
+
+
+def _decode_span(message: pb.ProvenanceSpan, where: str) -> ProvenanceSpan:
+    kind = message.WhichOneof("span")
+    if kind is None:
+        raise InvalidRequest(f"{where} is an empty span (no prompt_tokens or sampled_tokens)")
+    run = getattr(message, kind)
+    try:
+        return ProvenanceSpan(source="prompt" if kind == "prompt_tokens" else "sampled",
+                              sequence_id=run.sequence_id, offset=run.offset, length=run.length)
+    except pydantic.ValidationError as error:
+        problems = "; ".join(f"{where}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        raise InvalidRequest(problems) from None
 
 
 def _decode_chunk(message: pb.Chunk, where: str) -> EncodedTextChunk | ImageChunk:

@@ -194,6 +194,21 @@ class TensorData(WireRequest):
 # Training: forward_backward (decoded from protobuf by proto.py), optimizer, LoRA.
 
 
+class ProvenanceSpan(BaseModel):
+    """A run of a datum field's positions and where its tokens came from (Datum.with_provenance).
+
+    `prompt`: positions [offset, offset + length) of the prompt of the request that sampled
+    `sequence_id`; `sampled`: positions [offset, offset + length) of that sequence's sampled tokens.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    source: Literal["prompt", "sampled"]
+    sequence_id: str = Field(min_length=1)
+    offset: int = Field(ge=0)
+    length: int = Field(ge=0)
+
+
 class Datum(BaseModel):
     """One training example as decoded from protobuf; tensors are dense torch tensors."""
 
@@ -202,6 +217,10 @@ class Datum(BaseModel):
     model_input: ModelInput
     loss_fn_inputs: dict[str, torch.Tensor]
     """float32 or int64 tensors, shaped as the client declared them (e.g. [N] or [N, K])."""
+    model_input_spans: list[ProvenanceSpan] | None = None
+    """Runs tiling the model input's positions; set together with loss_fn_input_spans or not at all."""
+    loss_fn_input_spans: list[ProvenanceSpan] | None = None
+    """Runs tiling the rows of target_tokens."""
 
 
 class ForwardBackwardRequest(BaseModel):
@@ -491,6 +510,8 @@ class SampleRequest(WireRequest):
     prompt_alt_tokens_k: int = Field(default=0, ge=0)
     target_prompt_logprobs: TensorData | None = None
     """int64 token ids, [len(prompt) - 1, K]; -1 (or an unlisted CSR cell) asks for nothing."""
+    record_stability_info: bool = False
+    """Keep what was sampled, per returned sequence, for stable_reinforce to check and use."""
 
     @field_validator("prompt_logprobs", mode="before")
     @classmethod

@@ -121,23 +121,35 @@ def test_chat_sl_learns_the_example_conversations_and_resumes_from_its_checkpoin
         {"renderer_name": "qwen3"}
 
 
-def test_math_rl_runs_the_arithmetic_environment(text_server, workdir):
-    log = workdir / "runs" / "math_rl"
-    # The recipe's default loss, stable_reinforce, needs sampler-side stability records that this
-    # server does not keep yet (see README); the CLI's loss_fn selects a supported one.
-    run_recipe(text_server, workdir, "math_rl.train", f"model_name={TEXT_MODEL}", "env=arithmetic",
-               f"log_path={log}", "groups_per_batch=4", "group_size=4", "learning_rate=1e-3", "lora_rank=8",
-               "max_steps=3", "save_every=2", "loss_fn=importance_sampling", "behavior_if_log_dir_exists=delete",
-               f"base_url={text_server.url}")
+def run_math_rl(server: LiveServer, workdir: Path, log: Path, *args: str) -> list[dict]:
+    """math_rl on the arithmetic environment with its default loss (stable_reinforce); its RL steps' metrics."""
+    run_recipe(server, workdir, "math_rl.train", f"model_name={TEXT_MODEL}", "env=arithmetic", f"log_path={log}",
+               "groups_per_batch=4", "group_size=4", "learning_rate=1e-3", "lora_rank=8", "max_steps=3",
+               "behavior_if_log_dir_exists=delete", f"base_url={server.url}", *args)
     rows = read_jsonl(log / "metrics.jsonl")
     assert_all_finite(rows)
-    steps = [row for row in rows if "env/all/reward/total" in row]
+    return [row for row in rows if "env/all/reward/total" in row]
+
+
+def test_math_rl_trains_the_arithmetic_environment_with_its_default_stable_reinforce(text_server, workdir):
+    log = workdir / "runs" / "math_rl"
+    steps = run_math_rl(text_server, workdir, log, "save_every=2")
     assert len(steps) == 3
     for row in steps:
         assert row["env/all/total_episodes"] == 16 and row["tokens/trained"] > 0
         # On-policy: the trainer scores the sampled tokens as the sampler did.
         assert abs(row["optim/kl_sample_train_v1"]) < 1e-3
     assert [r["name"] for r in read_jsonl(log / "checkpoints.jsonl")] == ["000002", "final"]
+
+
+def test_math_rl_async_trains_on_stale_samples_with_stable_reinforce(text_server, workdir):
+    # Sampling runs one step ahead of training on the weights of the previous checkpoint: the
+    # datums are off-policy and their provenance names sequences of older sampling clients.
+    steps = run_math_rl(text_server, workdir, workdir / "runs" / "math_rl_async", "max_steps_off_policy=1",
+                        "save_every=1")
+    assert len(steps) == 3
+    assert all(row["tokens/trained"] > 0 for row in steps)
+    assert max(row["async/staleness_max"] for row in steps) == 1
 
 
 def test_guess_number_runs_multi_turn_rl(text_server, workdir):

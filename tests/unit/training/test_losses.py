@@ -6,10 +6,13 @@ value is the table's token sum and its gradient w.r.t. the policy logprobs is de
 Shapes: N = positions of a datum, K = targets per position.
 """
 
+import math
+
 import pytest
 import torch
 
 from server.errors import InvalidRequest
+from server.rendering.provenance import RECORDED_LOGPROBS, SAMPLED_MASK
 from server.training.losses import LOSSES, resolve_loss
 
 N = 64
@@ -75,10 +78,12 @@ def reference_dro(logp, q, advantages, beta):
 
 
 def test_every_registered_loss_has_a_reference_test_here():
-    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro"}
+    assert set(LOSSES) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"}
     assert LOSSES["cross_entropy"].inputs == ("weights",)
-    for name in ("importance_sampling", "ppo", "cispo", "dro"):
+    for name in ("importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"):
         assert set(LOSSES[name].inputs) == {"logprobs", "advantages"}, name
+    assert LOSSES["gspo"].optional_inputs == ("sequence_ratio_mask",)
+    assert LOSSES["stable_reinforce"].needs_provenance
 
 
 @pytest.mark.parametrize("shape", [(N,), (N, K)], ids=["targets_N", "top_k_targets_NK"])
@@ -167,7 +172,8 @@ def test_resolve_loss_applies_defaults_and_overrides_them_key_by_key():
 
 
 @pytest.mark.parametrize(("loss_fn", "config", "message"), [
-    ("gspo", None, "unsupported loss_fn"),
+    ("gspo", {"kl_coeff": 0.1}, "'kl_coeff'"),
+    ("stable_reinforce", {"beta": 0.1}, "'beta'"),
     ("custom", None, "unsupported loss_fn"),
     ("ppo", {"beta": 0.1}, "'beta'"),
     ("dro", {"clip_low_threshold": 0.8}, "'clip_low_threshold'"),
@@ -177,3 +183,140 @@ def test_resolve_loss_applies_defaults_and_overrides_them_key_by_key():
 def test_resolve_loss_rejects_unknown_names_unknown_config_keys_and_non_numbers(loss_fn, config, message):
     with pytest.raises(InvalidRequest, match=message):
         resolve_loss(loss_fn, config)
+
+
+# -- gspo: GSPO-token as Tinker documents it (reference-notes section 1.1) ------------------------------
+
+
+def reference_gspo(logp, q, advantages, mask, low, high):
+    """Tinker's snippet written out: one detached log-ratio per datum, the mean over `mask != 0`."""
+    masked = mask != 0
+    log_s = (logp[masked] - q[masked]).mean() if masked.any() else torch.tensor(0.0)
+    s = torch.exp(log_s)
+    value = -torch.minimum(s * advantages, torch.clip(s, low, high) * advantages).sum()
+    # d/dlogp_t of -min(s_t A_t, clip(s_t) A_t) with s_t = exp(log s + logp_t - sg(logp_t)): the unclipped
+    # branch carries -s A_t where it is the minimum, the clipped one nothing outside [low, high].
+    active = ((s >= low) & (s <= high)) | ((s > high) & (advantages < 0)) | ((s < low) & (advantages > 0))
+    return value, torch.where(active, -s * advantages, 0.0), s
+
+
+def _gspo_datum(seed: int, log_s: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A datum whose first 16 positions are prompt (mask 0, advantage 0) and whose sequence log-ratio is log_s."""
+    generator = torch.Generator().manual_seed(seed)
+    logprobs_N = -torch.rand(N, generator=generator) * 3 - 0.1
+    noise_N = torch.randn(N, generator=generator)
+    mask_N = torch.ones(N)
+    mask_N[:16] = 0
+    noise_N[16:] -= noise_N[16:].mean()  # per-token log-ratios that average exactly log_s over the mask
+    sampler_N = logprobs_N - log_s - noise_N
+    advantages_N = torch.randn(N, generator=generator)
+    advantages_N[:16] = 0
+    return logprobs_N, {"logprobs": sampler_N, "advantages": advantages_N, "sequence_ratio_mask": mask_N}
+
+
+@pytest.mark.parametrize("log_s", [0.05, 0.5, -0.5], ids=["inside_the_clip", "above_high", "below_low"])
+def test_gspo_gives_every_position_the_sequence_ratio_and_clips_it_per_token(log_s):
+    logprobs, inputs = _gspo_datum(10, log_s)
+    total, elementwise, gradient = _value_and_gradient("gspo", logprobs, inputs, None)
+    expected_total, expected_gradient, s = reference_gspo(logprobs, inputs["logprobs"], inputs["advantages"],
+                                                          inputs["sequence_ratio_mask"], 0.8, 1.2)
+    assert float(s) == pytest.approx(math.exp(log_s), rel=1e-5)
+    _assert_close(total, expected_total)
+    _assert_close(gradient, expected_gradient)
+    advantages = inputs["advantages"]
+    unclipped = gradient[16:] != 0
+    # Unclipped positions get exactly -s * A_t; clipped ones (only outside [0.8, 1.2]) get nothing.
+    _assert_close(gradient[16:][unclipped], -s * advantages[16:][unclipped])
+    if log_s == 0.5:
+        assert (gradient[16:][advantages[16:] > 0] == 0).all() and (gradient[16:][advantages[16:] < 0] != 0).all()
+    elif log_s == -0.5:
+        assert (gradient[16:][advantages[16:] < 0] == 0).all() and (gradient[16:][advantages[16:] > 0] != 0).all()
+    else:
+        assert unclipped.all()
+    assert (elementwise[:16] == 0).all() and (gradient[:16] == 0).all()
+
+
+def test_gspo_thresholds_come_from_the_config():
+    logprobs, inputs = _gspo_datum(11, 0.5)  # s = 1.65: clipped at 1.2, not at 2.0
+    _, _, clipped = _value_and_gradient("gspo", logprobs, inputs, None)
+    _, _, wide = _value_and_gradient("gspo", logprobs, inputs, {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0})
+    _assert_close(wide, reference_gspo(logprobs, inputs["logprobs"], inputs["advantages"],
+                                       inputs["sequence_ratio_mask"], 0.5, 2.0)[1])
+    assert (clipped == 0).sum() > (wide == 0).sum()
+
+
+def test_gspo_without_a_mask_takes_the_ratio_over_positions_with_an_advantage_and_counts_it():
+    logprobs, inputs = _gspo_datum(12, 0.1)
+    without_mask = {key: value for key, value in inputs.items() if key != "sequence_ratio_mask"}
+    _, elementwise, gradient = _value_and_gradient("gspo", logprobs, without_mask, None)
+    as_mask = {**without_mask, "sequence_ratio_mask": (inputs["advantages"] != 0).float()}
+    _, expected_elementwise, expected_gradient = _value_and_gradient("gspo", logprobs, as_mask, None)
+    _assert_close(elementwise, expected_elementwise)
+    _assert_close(gradient, expected_gradient)
+    spec, config = resolve_loss("gspo", None)
+    assert spec.metrics(logprobs, without_mask, config)["sequence_ratio_mask_missing:sum"] == 1.0
+    metrics = spec.metrics(logprobs, inputs, config)
+    assert metrics["sequence_ratio_mask_missing:sum"] == 0.0
+    assert metrics["sequence_ratio:mean"] == pytest.approx(math.exp(0.1), rel=1e-5)
+
+
+def test_gspo_with_an_empty_mask_uses_a_unit_ratio_instead_of_nan():
+    logprobs, inputs = _gspo_datum(13, 0.7)
+    inputs["sequence_ratio_mask"] = torch.zeros(N)
+    total, _, gradient = _value_and_gradient("gspo", logprobs, inputs, None)
+    assert torch.isfinite(total)
+    _assert_close(gradient, -inputs["advantages"])  # s = 1: inside the clip, plain REINFORCE
+
+
+# -- stable_reinforce: this server's objective (README, "stable_reinforce") ---------------------------------
+
+
+def reference_stable_reinforce(logp, recorded, advantages, sampled, kl_coeff, cap):
+    """Value and gradient of the README's formula, written out by hand on the sampled positions."""
+    on = sampled != 0
+    ratio = torch.exp(logp - recorded)
+    weight = torch.clip(ratio, max=cap)
+    value = (-(weight * advantages * logp) + 0.5 * kl_coeff * (logp - recorded) ** 2)[on].sum()
+    gradient = torch.where(on, -weight * advantages + kl_coeff * (logp - recorded), 0.0)
+    return value, gradient
+
+
+def _stable_reinforce_inputs(seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    logprobs, inputs = _policy_inputs(seed)  # log-ratios from -3 to 3: some ratios far over the cap
+    sampled_N = torch.ones(N)
+    sampled_N[:10] = 0
+    advantages_N = inputs["advantages"] * sampled_N
+    # The client's logprobs are rounded like a float16 copy: the loss must use the recorded ones.
+    return logprobs, {"logprobs": inputs["logprobs"].half().float(), "advantages": advantages_N,
+                      RECORDED_LOGPROBS: inputs["logprobs"] * sampled_N, SAMPLED_MASK: sampled_N}
+
+
+@pytest.mark.parametrize(("config", "kl_coeff", "cap"),
+                         [(None, 0.05, 2.0), ({"kl_coeff": 0.5, "ratio_cap": 1.5}, 0.5, 1.5)],
+                         ids=["defaults", "overridden"])
+def test_stable_reinforce_value_and_gradient_match_the_documented_formula(config, kl_coeff, cap):
+    logprobs, inputs = _stable_reinforce_inputs(20)
+    total, elementwise, gradient = _value_and_gradient("stable_reinforce", logprobs, inputs, config)
+    expected_total, expected_gradient = reference_stable_reinforce(
+        logprobs, inputs[RECORDED_LOGPROBS], inputs["advantages"], inputs[SAMPLED_MASK], kl_coeff, cap)
+    _assert_close(total, expected_total)
+    _assert_close(gradient, expected_gradient)
+    assert (elementwise[:10] == 0).all() and (gradient[:10] == 0).all()
+    spec, resolved = resolve_loss("stable_reinforce", config)
+    metrics = spec.metrics(logprobs, inputs, resolved)
+    ratio = torch.exp(logprobs - inputs[RECORDED_LOGPROBS])[10:]
+    assert metrics["sampled_tokens:sum"] == N - 10
+    assert metrics["importance_ratio_capped:sum"] == float((ratio > cap).sum()) > 0
+    assert metrics["importance_ratio:max"] == pytest.approx(float(ratio.max()), rel=1e-5)
+    assert metrics["importance_weight:mean"] == pytest.approx(float(ratio.clip(max=cap).mean()), rel=1e-5)
+    assert metrics["sampler_logprobs_mismatched:sum"] > 0
+
+
+def test_stable_reinforce_on_policy_is_plain_reinforce_and_ignores_minus_infinity_off_the_sampled_tokens():
+    logprobs, inputs = _stable_reinforce_inputs(21)
+    inputs[RECORDED_LOGPROBS] = torch.where(inputs[SAMPLED_MASK] != 0, logprobs, 0.0)
+    logprobs = logprobs.clone()
+    logprobs[0] = -math.inf
+    total, _, gradient = _value_and_gradient("stable_reinforce", logprobs, inputs, None)
+    assert torch.isfinite(total) and torch.isfinite(gradient).all()
+    _assert_close(gradient, -inputs["advantages"])

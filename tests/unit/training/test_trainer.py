@@ -8,6 +8,7 @@ Shapes: N = positions of a datum, K = targets per position, V = vocabulary.
 """
 
 import itertools
+import math
 import threading
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from server.config import ModelConfig, TrainerConfig
 from server.errors import InvalidRequest
 from server.models.loading import LoadedModel, load_base_model
 from server.models.tiny import ensure_builtin_model
+from server.rendering.provenance import RECORDED_LOGPROBS, SAMPLED_MASK
 from server.rendering.training import TrainingExample
 from server.training.lora import AdapterSlot, LoraAdapter, apply_lora_wrappers, use_adapter
 from server.training.parallel import free_port, init_training_group
@@ -300,6 +302,103 @@ def test_policy_losses_with_sampler_logprobs_equal_to_the_current_ones_see_unit_
                                    err_msg=loss_fn)
         np.testing.assert_allclose(result.outputs[0]["logprobs"], inputs["logprobs"].numpy(), rtol=0, atol=1e-6)
         assert result.metrics["loss:sum"] == pytest.approx(float(expected_N.sum()), abs=1e-4)
+
+
+def policy_batch(trainer: Trainer, model_id: str, seed: int, lengths: list[int],
+                 log_ratios: list[float]) -> list[TrainingExample]:
+    """Datums whose first 3 positions are prompt (mask 0, advantage 0) and whose sampler logprobs sit, on
+    average over the sampled positions, exactly `log_ratio` below the run's current logprobs."""
+    batch = sft_batch(seed, lengths, trainer.base.vocab_size)
+    current = trainer.forward_backward(model_id, batch, "cross_entropy", None, forward_only=True)
+    generator = torch.Generator().manual_seed(seed)
+    examples = []
+    for example, output, log_ratio in zip(batch, current.outputs, log_ratios, strict=True):
+        length = len(example.input_ids)
+        mask_N = torch.ones(length)
+        mask_N[:3] = 0
+        noise_N = torch.randn(length, generator=generator) * 0.2 * mask_N
+        noise_N[3:] -= noise_N[3:].mean()
+        advantages_N = torch.randn(length, generator=generator) * mask_N
+        inputs = {"target_tokens": example.loss_fn_inputs["target_tokens"],
+                  "logprobs": torch.from_numpy(output["logprobs"]) - log_ratio - noise_N,
+                  "advantages": advantages_N, "sequence_ratio_mask": mask_N}
+        examples.append(TrainingExample(input_ids=example.input_ids, loss_fn_inputs=inputs))
+    return examples
+
+
+def test_gspo_gives_each_datum_of_a_request_its_own_ratio_and_matches_a_plain_torch_reference(trainer, reference):
+    model_id = create_run(trainer)
+    adapter = trainer.models[model_id].adapter
+    # One datum's sequence ratio is inside the clip, the other's far above it.
+    batch = policy_batch(trainer, model_id, 30, [9, 12], [0.05, 0.6])
+
+    result = trainer.forward_backward(model_id, batch, "gspo", None, forward_only=False)
+
+    reference_loss = torch.zeros(())
+    for example, output, s in zip(batch, result.outputs, [math.exp(0.05), math.exp(0.6)], strict=True):
+        inputs = example.loss_fn_inputs
+        logp = reference_logprobs(reference, adapter, example)
+        masked = inputs["sequence_ratio_mask"] != 0
+        log_s = (logp.detach()[masked] - inputs["logprobs"][masked]).mean()
+        assert float(torch.exp(log_s)) == pytest.approx(s, rel=1e-4)
+        ratio = torch.exp(log_s + logp - logp.detach())
+        advantages = inputs["advantages"]
+        elementwise = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
+        torch.testing.assert_close(torch.from_numpy(output["elementwise_loss"]), elementwise.detach(),
+                                   rtol=1e-4, atol=1e-5)
+        reference_loss = reference_loss + elementwise.sum()
+    assert result.metrics["loss:sum"] == pytest.approx(float(reference_loss.detach()), abs=1e-4)
+    assert result.metrics["sequence_ratio:max"] == pytest.approx(math.exp(0.6), rel=1e-4)
+    assert result.metrics["sequence_ratio:mean"] == pytest.approx((math.exp(0.05) + math.exp(0.6)) / 2, rel=1e-4)
+    assert result.metrics["sequence_ratio_mask_missing:sum"] == 0
+    expected_grads = torch.autograd.grad(reference_loss, adapter.parameters())
+    assert_all_close(gradients(trainer, model_id), list(expected_grads), rtol=1e-4, atol=1e-5)
+
+
+def test_gspo_gradients_are_the_same_in_one_call_in_two_calls_and_in_tiny_micro_batches(trainer, chunked_trainer):
+    single_id, split_id, chunked_id = create_run(trainer), create_run(trainer), create_run(chunked_trainer)
+    batch = policy_batch(trainer, single_id, 31, [9, 12, 5, 7], [0.05, 0.6, -0.5, 0.2])
+
+    single = trainer.forward_backward(single_id, batch, "gspo", None, forward_only=False)
+    first = trainer.forward_backward(split_id, batch[:1], "gspo", None, forward_only=False)
+    second = trainer.forward_backward(split_id, batch[1:], "gspo", None, forward_only=False)
+    chunked = chunked_trainer.forward_backward(chunked_id, batch, "gspo", None, forward_only=False)
+
+    assert len(chunked_trainer._plan(batch)[0]) > 1
+    assert first.metrics["loss:sum"] + second.metrics["loss:sum"] == pytest.approx(single.metrics["loss:sum"],
+                                                                                   abs=1e-4)
+    assert chunked.metrics["loss:sum"] == pytest.approx(single.metrics["loss:sum"], abs=1e-4)
+    assert_all_close(gradients(trainer, split_id), gradients(trainer, single_id), rtol=1e-4, atol=1e-5)
+    assert_all_close(gradients(chunked_trainer, chunked_id), gradients(trainer, single_id), rtol=1e-4, atol=1e-5)
+
+
+def test_stable_reinforce_gradients_match_a_plain_torch_reference_with_the_recorded_logprobs(trainer, reference):
+    model_id = create_run(trainer)
+    adapter = trainer.models[model_id].adapter
+    batch = policy_batch(trainer, model_id, 32, [9, 12], [0.9, -0.3])
+    for example in batch:
+        inputs = example.loss_fn_inputs
+        sampled = inputs.pop("sequence_ratio_mask")
+        inputs[SAMPLED_MASK] = sampled
+        inputs[RECORDED_LOGPROBS] = inputs["logprobs"] * sampled
+        inputs["logprobs"] = torch.zeros_like(sampled)  # the client's copy is not what the loss uses
+
+    result = trainer.forward_backward(model_id, batch, "stable_reinforce", {"kl_coeff": 0.3}, forward_only=False)
+
+    reference_loss = torch.zeros(())
+    for example in batch:
+        inputs = example.loss_fn_inputs
+        on = inputs[SAMPLED_MASK] != 0
+        logp = reference_logprobs(reference, adapter, example)[on]
+        recorded, advantages = inputs[RECORDED_LOGPROBS][on], inputs["advantages"][on]
+        weight = torch.exp(logp.detach() - recorded).clamp(max=2.0)
+        reference_loss = reference_loss + (-weight * advantages * logp + 0.15 * (logp - recorded) ** 2).sum()
+    assert result.metrics["loss:sum"] == pytest.approx(float(reference_loss.detach()), abs=1e-4)
+    assert result.metrics["sampled_tokens:sum"] == 9 + 12 - 6
+    assert result.metrics["importance_ratio_capped:sum"] > 0
+    assert result.metrics["sampler_logprobs_mismatched:sum"] == 9 + 12 - 6
+    expected_grads = torch.autograd.grad(reference_loss, adapter.parameters())
+    assert_all_close(gradients(trainer, model_id), list(expected_grads), rtol=1e-4, atol=1e-5)
 
 
 # -- optim_step -----------------------------------------------------------------------------------

@@ -409,3 +409,36 @@ def test_target_prompt_logprobs_keep_the_request_layout():
 
 def test_our_generated_module_is_the_sdk_schema():
     assert pb.DESCRIPTOR.serialized_pb == sdk_pb.DESCRIPTOR.serialized_pb
+
+
+def test_provenance_spans_from_the_sdk_decode_in_order_with_their_kind_offset_and_length():
+    datum = text_datum().with_provenance(
+        model_input=[sdk.PromptProvenanceSpan(sequence_id="S:sample:0:seq:1:0", length=2),
+                     sdk.SampledProvenanceSpan(sequence_id="S:sample:0:seq:1:0", offset=0, length=1)],
+        loss_fn_inputs=[sdk.PromptProvenanceSpan(sequence_id="S:sample:0:seq:1:0", offset=1, length=1),
+                        sdk.SampledProvenanceSpan(sequence_id="S:sample:0:seq:1:0", offset=0, length=2)])
+
+    decoded = decode_forward_backward_request(sdk_body([datum, text_datum()], loss_fn="stable_reinforce"), None)
+
+    spans = decoded.data[0]
+    assert [(s.source, s.sequence_id, s.offset, s.length) for s in spans.model_input_spans] == [
+        ("prompt", "S:sample:0:seq:1:0", 0, 2), ("sampled", "S:sample:0:seq:1:0", 0, 1)]
+    assert [(s.source, s.offset, s.length) for s in spans.loss_fn_input_spans] == [("prompt", 1, 1), ("sampled", 0, 2)]
+    assert decoded.data[1].model_input_spans is None and decoded.data[1].loss_fn_input_spans is None
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d.ClearField("loss_fn_input_spans"), "provenance comes as a pair"),
+    (lambda d: d.model_input_spans[0].prompt_tokens.ClearField("sequence_id"), "sequence_id"),
+    (lambda d: setattr(d.model_input_spans[0].prompt_tokens, "length", -1), "length"),
+    (lambda d: d.model_input_spans.add(), "empty span"),
+])
+def test_malformed_provenance_spans_are_refused_with_the_datum_named(edit, message):
+    datum = text_datum().with_provenance(
+        model_input=[sdk.PromptProvenanceSpan(sequence_id="seq", length=3)],
+        loss_fn_inputs=[sdk.SampledProvenanceSpan(sequence_id="seq", length=3)])
+    message_pb = pb.ForwardBackwardRequest.FromString(sdk_body([text_datum(), datum]))
+    edit(message_pb.data[1])
+    with pytest.raises(InvalidRequest, match=message) as raised:
+        decode_forward_backward_request(message_pb.SerializeToString(), None)
+    assert "data[1]" in str(raised.value)

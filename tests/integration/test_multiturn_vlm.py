@@ -1,0 +1,102 @@
+"""Multi-turn vision-language RL against a live server on the built-in tiny Qwen2-VL: the grid-walk example
+trained by the cookbook's RL loop (as its README section runs it) and by the bare SDK, a long episode
+with many images, and an image token count the server disagrees with."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from client_compat.chat import ChatRenderer
+from client_compat.examples.grid_walk import GridWalk, sdk_loop
+from client_compat.rollout import Episode, ImageTokensMismatch
+from server.models.tiny import ensure_builtin_model
+from support.live_server import API_KEY, REPO_ROOT, LiveServer, start_server
+
+MODEL = "builtin:tiny-qwen2-vl"
+
+
+@pytest.fixture(scope="module")
+def vlm_server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    live = start_server(tmp_path_factory.mktemp("multiturn-vlm"), None, models_dir, base_model=MODEL)
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(vlm_server: LiveServer):
+    with vlm_server.service_client() as service_client:
+        yield service_client
+
+
+def test_the_grid_walk_example_trains_with_the_cookbooks_rl_loop(vlm_server, models_dir, tmp_path):
+    log = tmp_path / "grid_walk"
+    env = dict(os.environ, TINKER_API_KEY=API_KEY, TINKER_TELEMETRY="0", PYTHONPATH=str(REPO_ROOT))
+    done = subprocess.run(
+        [sys.executable, "-m", "client_compat.examples.grid_walk", f"model_name={MODEL}",
+         f"model_dir={ensure_builtin_model('tiny-qwen2-vl', models_dir)}", f"base_url={vlm_server.url}",
+         f"log_path={log}", "batch_size=2", "group_size=2", "max_turns=3", "max_tokens=6", "max_steps=2",
+         "learning_rate=1e-3"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 0, f"{done.stdout[-6000:]}\n--- server log ---\n{vlm_server.log()}"
+
+    rows = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "env/all/turns_per_episode" in row]
+    assert len(steps) == 2
+    for row in steps:
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
+        assert row["env/all/total_episodes"] == 4 and row["env/all/turns_per_episode"] > 1
+        assert row["env/all/tito/fell_back"] == 0.0
+        # One datum per episode trains fewer tokens than the prompts of all turns hold together; a datum
+        # per turn (the cookbook's fallback when an observation does not extend the last one) trains more.
+        assert row["tokens/trained"] < row["env/all/total_ob_tokens"]
+        assert abs(row["optim/kl_sample_train_v1"]) < 1e-3  # stable_reinforce on sampler-recorded sequences
+
+
+def test_the_grid_walk_example_trains_on_the_bare_sdk_one_datum_per_episode(client):
+    history = sdk_loop(client, MODEL, steps=2, group_size=2, max_turns=3, max_tokens=6, learning_rate=1e-3)
+    for metrics in history:
+        assert metrics["datums_per_episode"] == 1.0 and metrics["turns_per_episode"] > 1
+        assert metrics["tito/fell_back"] == 0 and metrics["tito/bridged"] > 0
+        assert all(math.isfinite(v) for v in metrics.values())
+        assert metrics["sampled_tokens:sum"] == metrics["logprob_gap/after_image/tokens"] > 0
+        assert metrics["sampler_logprobs_mismatched:sum"] == 0
+        # Sampled from these weights: the trainer scores the actions as the sampler did.
+        assert metrics["logprob_gap/after_image/max"] < 1e-3
+
+
+def test_a_long_episode_with_eleven_images_samples_and_trains_as_one_datum(client):
+    training = client.create_lora_training_client(base_model=MODEL, rank=4).result()
+    renderer = ChatRenderer.from_model_dir(training.get_info().model_data.tokenizer_id)
+    sampler = training.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    game = GridWalk(seed=3, max_turns=11)
+    episode = Episode(renderer, game.start())
+    for turn in range(11):
+        sampled = episode.sample(sampler, max_tokens=3)
+        reply = game.reply("sideways")  # never a move: the feedback and a new picture every turn
+        if turn < 10:
+            episode.observe(reply.messages)
+    images = [c for c in episode.observation.chunks if c.type == "image"]
+    assert len(images) == 11 and episode.metrics["tito/fell_back"] == 0
+    assert sampled.sequence_id
+
+    (rollout,) = episode.training_data(1.0, "stable_reinforce")
+    out = training.forward_backward([rollout.datum], "stable_reinforce").result()
+    assert out.metrics["sampled_tokens:sum"] == rollout.action_mask.sum()
+    assert out.metrics["importance_ratio:max"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_an_image_token_count_the_server_disagrees_with_is_surfaced_clearly(client, models_dir):
+    training = client.create_lora_training_client(base_model=MODEL, rank=4).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    # Qwen3-VL's processor (patch 16, at least 64 tokens) instead of the served Qwen2-VL's.
+    wrong = ChatRenderer.from_model_dir(ensure_builtin_model("tiny-qwen3-vl", models_dir))
+    episode = Episode(wrong, [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (56, 56))},
+                                                           {"type": "text", "text": "What is it?"}]}])
+    with pytest.raises(ImageTokensMismatch, match=r"Expected 64 tokens, got 4 from image.*tokenizer_id"):
+        episode.sample(sampler, max_tokens=2)
