@@ -401,6 +401,9 @@ def _check_checkpoint_name(name: str) -> str:
 
 CheckpointName = Annotated[str, AfterValidator(_check_checkpoint_name)]
 
+TtlSeconds = Annotated[int, Field(ge=3600, le=10 * 366 * 24 * 3600)]
+"""A checkpoint's time to live: 1 hour to 10 years, as the SDK documents (None: it never expires)."""
+
 
 class SaveWeightsRequest(WireRequest):
     type: Literal["save_weights"] = "save_weights"
@@ -408,7 +411,7 @@ class SaveWeightsRequest(WireRequest):
     path: CheckpointName | None = None
     """Checkpoint name (not a path, despite the field name)."""
     seq_id: int | None = None
-    ttl_seconds: int | None = None
+    ttl_seconds: TtlSeconds | None = None
     overwrite: bool = False
     user_metadata: dict[str, str] | None = None
 
@@ -422,7 +425,7 @@ class SaveWeightsForSamplerRequest(WireRequest):
     sampling_session_seq_id: int | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
     seq_id: int | None = None
-    ttl_seconds: int | None = None
+    ttl_seconds: TtlSeconds | None = None
     user_metadata: dict[str, str] | None = None
 
     @model_validator(mode="after")
