@@ -31,7 +31,7 @@ from server.store.retention import CheckpointPins
 from server.store.store import (CheckpointRecord, SamplingSessionRecord, SessionRecord, Store,
                                 TrainingRunRecord)
 from server.training.trainer import Trainer
-from server.wire.types import LoraConfig, OptimizerConfig
+from server.wire.types import MAX_TTL_SECONDS, MIN_TTL_SECONDS, LoraConfig, OptimizerConfig
 
 JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
@@ -145,6 +145,13 @@ def check_base_model(services: Services, base_model: str | None) -> None:
     if base_model is not None and base_model != services.base.name:
         raise InvalidRequest(f"base_model {base_model!r} is not served here; this server serves "
                              f"{services.base.name!r}")
+
+
+def check_ttl(ttl_seconds: int | None) -> None:
+    """A save's ttl_seconds, in the SDK's documented range (None: the checkpoint never expires)."""
+    if ttl_seconds is not None and not MIN_TTL_SECONDS <= ttl_seconds <= MAX_TTL_SECONDS:
+        raise InvalidRequest(f"ttl_seconds must be between {MIN_TTL_SECONDS} (1 hour) and {MAX_TTL_SECONDS} "
+                             f"(10 years), got {ttl_seconds}")
 
 
 def check_optimizer(config: OptimizerConfig | None) -> None:

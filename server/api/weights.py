@@ -3,6 +3,7 @@ weights_info."""
 
 import shutil
 from datetime import timedelta
+from pathlib import Path
 
 from fastapi import APIRouter, Request
 
@@ -12,6 +13,7 @@ from server.api.deps import (
     ServicesDep,
     check_base_model,
     check_optimizer,
+    check_ttl,
     checkpoint_of,
     ensure_sampling_session,
     forget_checkpoint,
@@ -27,7 +29,7 @@ from server.api.deps import (
 from server.errors import InvalidRequest
 from server.scheduler.scheduler import CREATION_SEQ_ID
 from server.store.checkpoints import TinkerPath, parse_tinker_path
-from server.store.exports import encrypt_files, parse_age_recipients
+from server.store.exports import AGE_SUFFIX, encrypt_files, parse_age_recipients
 from server.store.store import CheckpointRecord, TrainingRunRecord, utcnow
 from server.wire.lifecycle import SaveWeightsExternalRequest, SaveWeightsExternalResponse
 from server.wire.types import (
@@ -83,6 +85,7 @@ async def save_weights(request: Request, services: ServicesDep, owner: OwnerDep)
     def prepare():
         tinker_path = TinkerPath(run.model_id, "weights", save.path or f"state-{save.seq_id}")
         parse_tinker_path(str(tinker_path))  # validates the name
+        check_ttl(save.ttl_seconds)
 
         def work():
             _save(services, run, tinker_path, overwrite=save.overwrite, ttl_seconds=save.ttl_seconds,
@@ -113,6 +116,7 @@ async def save_weights_for_sampler(request: Request, services: ServicesDep, owne
 
         tinker_path = TinkerPath(run.model_id, "sampler_weights", save.path)
         parse_tinker_path(str(tinker_path))
+        check_ttl(save.ttl_seconds)
 
         def work():
             _save(services, run, tinker_path, overwrite=True, ttl_seconds=save.ttl_seconds,
@@ -145,6 +149,7 @@ async def save_weights_external(request: Request, services: ServicesDep, owner: 
     def prepare():
         tinker_path = TinkerPath(run.model_id, "external_weights", save.path)
         parse_tinker_path(str(tinker_path))
+        check_ttl(save.ttl_seconds)
         recipients = parse_age_recipients(save.age_encryption_recipients) if save.age_encryption_recipients \
             else None
 
@@ -173,7 +178,11 @@ async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep)
     def readable_checkpoint() -> CheckpointRecord:
         # Looked up when the request is accepted (a 404 at once) and again, pinned, when it runs: a
         # checkpoint that expired or was deleted while the request waited for its turn fails it cleanly.
-        return checkpoint_of(services, load.path, owner, access_token=load.weights_access_token)
+        record = checkpoint_of(services, load.path, owner, access_token=load.weights_access_token)
+        if any(Path(record.directory).glob(f"*{AGE_SUFFIX}")):
+            raise InvalidRequest(f"{load.path} is age-encrypted: download it (external_weights_urls), it cannot "
+                                 f"be loaded")
+        return record
 
     if load.model_id is not None:
         run = run_of(services.store, load.model_id, owner)

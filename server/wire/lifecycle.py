@@ -23,7 +23,8 @@ class SaveWeightsExternalRequest(WireRequest):
     path: CheckpointName
     """Checkpoint name."""
     seq_id: int | None = None
-    ttl_seconds: TtlSeconds | None = None
+    ttl_seconds: int | None = None
+    """Checked when the request is prepared (see TtlSeconds)."""
     age_encryption_recipients: list[str] | None = None
     """age recipients (age1... keys or SSH public keys) every file is encrypted to, stored as NAME.age."""
 

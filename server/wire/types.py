@@ -401,8 +401,10 @@ def _check_checkpoint_name(name: str) -> str:
 
 CheckpointName = Annotated[str, AfterValidator(_check_checkpoint_name)]
 
-TtlSeconds = Annotated[int, Field(ge=3600, le=10 * 366 * 24 * 3600)]
-"""A checkpoint's time to live: 1 hour to 10 years, as the SDK documents (None: it never expires)."""
+MIN_TTL_SECONDS, MAX_TTL_SECONDS = 3600, 10 * 366 * 24 * 3600
+TtlSeconds = Annotated[int, Field(ge=MIN_TTL_SECONDS, le=MAX_TTL_SECONDS)]
+"""A checkpoint's time to live: 1 hour to 10 years, as the SDK documents (None: it never expires). Requests
+with a seq_id take a plain int and check it when they are prepared, so that a refusal uses up the seq_id."""
 
 
 class SaveWeightsRequest(WireRequest):
@@ -411,7 +413,7 @@ class SaveWeightsRequest(WireRequest):
     path: CheckpointName | None = None
     """Checkpoint name (not a path, despite the field name)."""
     seq_id: int | None = None
-    ttl_seconds: TtlSeconds | None = None
+    ttl_seconds: int | None = None
     overwrite: bool = False
     user_metadata: dict[str, str] | None = None
 
@@ -425,7 +427,7 @@ class SaveWeightsForSamplerRequest(WireRequest):
     sampling_session_seq_id: int | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
     seq_id: int | None = None
-    ttl_seconds: TtlSeconds | None = None
+    ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
 
     @model_validator(mode="after")
