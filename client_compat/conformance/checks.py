@@ -116,12 +116,12 @@ class Conformance:
     def _capabilities(self) -> RestClient:
         rest = tinker.RestClient(base_url=self.base_url, api_key=self.api_key)
         models = rest.get_server_capabilities().result(timeout=RESULT_TIMEOUT_SECONDS).supported_models
-        assert models, "supported_models is empty"
+        _check(models, "supported_models is empty")
         self.base_model = self.base_model or models[0].model_name
         return rest
 
     def _new_run(self, training: tinker.TrainingClient) -> tinker.TrainingClient:
-        assert training.model_id.count(":train:") == 1, f"model id {training.model_id} is not SESSION:train:N"
+        _check(training.model_id.count(":train:") == 1, f"model id {training.model_id} is not SESSION:train:N")
         self.model_ids.append(training.model_id)
         return training
 
@@ -159,7 +159,7 @@ class Conformance:
                                       ("sampler", "save_weights_for_sampler", "sampler_weights"),
                                       ("external", "save_weights_external", "external_weights")):
             def verify(response, kind=kind, segment=segment):
-                assert f"/{segment}/" in response.path, f"{response.path} is not a {segment} path"
+                _check(f"/{segment}/" in response.path, f"{response.path} is not a {segment} path")
                 self.paths.setdefault(kind, response.path)
                 return response
 
@@ -169,17 +169,17 @@ class Conformance:
         self.both(client, training, "load_state", lambda m: m(state()), lambda r: _is(types.LoadWeightsResponse, r))
         self.both(client, training, "load_state_with_optimizer", lambda m: m(state()),
                   lambda r: _is(types.LoadWeightsResponse, r))
-        self._rl_stability_loss(logprobs)
+        self._rl_stability_loss()
 
     def _verify_info(self, info: types.GetInfoResponse) -> types.GetInfoResponse:
-        assert info.model_id == self.training.model_id, f"get_info answered for {info.model_id}"
-        assert info.model_data.model_name, "get_info has no model_data.model_name (get_tokenizer needs it)"
+        _check(info.model_id == self.training.model_id, f"get_info answered for {info.model_id}")
+        _check(info.model_data.model_name, "get_info has no model_data.model_name (get_tokenizer needs it)")
         return info
 
     def _verify_output(self, output: types.ForwardBackwardOutput) -> types.ForwardBackwardOutput:
-        assert "loss:sum" in output.metrics, f"metrics lack loss:sum: {sorted(output.metrics)}"
+        _check("loss:sum" in output.metrics, f"metrics lack loss:sum: {sorted(output.metrics)}")
         logprobs = output.loss_fn_outputs[0]["logprobs"].tolist()
-        assert len(logprobs) == len(self.tokens) - 1, f"{len(logprobs)} logprobs for {len(self.tokens) - 1} targets"
+        _check(len(logprobs) == len(self.tokens) - 1, f"{len(logprobs)} logprobs for {len(self.tokens) - 1} targets")
         return output
 
     def _policy_datum(self, logprobs: list[float] | None, loss_fn: str) -> types.Datum:
@@ -187,7 +187,7 @@ class Conformance:
         extra = {"sequence_ratio_mask": [1.0] * len(logprobs)} if loss_fn == "gspo" else {}
         return self._datum(logprobs=logprobs, advantages=[1.0] * len(logprobs), **extra)
 
-    def _rl_stability_loss(self, logprobs: list[float] | None) -> None:
+    def _rl_stability_loss(self) -> None:
         """stable_reinforce trains on a sequence sampled with record_stability_info, named by provenance spans."""
         def run():
             sampler = _result(need(self.training, "a training client").save_weights_and_get_sampling_client(
@@ -210,7 +210,7 @@ class Conformance:
                                 types.SampledProvenanceSpan(sequence_id=sequence.sequence_id,
                                                             length=len(sequence.tokens))])
             output = _result(self.training.forward_backward([datum], "stable_reinforce"))
-            assert "loss:sum" in output.metrics, f"metrics lack loss:sum: {sorted(output.metrics)}"
+            _check("loss:sum" in output.metrics, f"metrics lack loss:sum: {sorted(output.metrics)}")
 
         self.check("TrainingClient", "forward_backward[loss_fn=stable_reinforce]", run)
 
@@ -281,11 +281,11 @@ class Conformance:
         return sampler
 
     def _verify_sample(self, response: types.SampleResponse) -> types.SampleResponse:
-        assert response.sequences, "no sequences"
+        _check(response.sequences, "no sequences")
         for sequence in response.sequences:
-            assert 1 <= len(sequence.tokens) <= 4, f"{len(sequence.tokens)} tokens for max_tokens <= 4"
-            assert sequence.logprobs is not None and len(sequence.logprobs) == len(sequence.tokens), \
-                "every sampled token needs its logprob"
+            _check(1 <= len(sequence.tokens) <= 4, f"{len(sequence.tokens)} tokens for max_tokens <= 4")
+            _check(sequence.logprobs is not None and len(sequence.logprobs) == len(sequence.tokens),
+                   "every sampled token needs its logprob")
         return response
 
     def _service_calls(self) -> None:
@@ -307,7 +307,7 @@ class Conformance:
         self.check(client, "get_telemetry", lambda: self.service.get_telemetry())
 
     def _verify_copy(self, path: str) -> str:
-        assert path.startswith("tinker://") and path != self.paths["state"], f"copy path {path!r}"
+        _check(path.startswith("tinker://") and path != self.paths["state"], f"copy path {path!r}")
         self.model_ids.append(path.removeprefix("tinker://").split("/")[0])
         return path
 
@@ -383,10 +383,10 @@ class Conformance:
         _check(self._listing(rest, tinker_path).public == public, f"public is not {public} after {method}")
 
     def _verify_urls(self, response: types.ExternalWeightsUrlsResponse) -> None:
-        assert response.urls and response.expires > datetime.now(UTC), "no URLs, or already expired"
+        _check(response.urls and response.expires > datetime.now(UTC), "no URLs, or already expired")
         name, url = sorted(response.urls.items())[0]
         with urllib.request.urlopen(url, timeout=60) as download:  # plainly, without the API key
-            assert download.read(), f"{name} downloaded empty"
+            _check(download.read(), f"{name} downloaded empty")
 
     def _verify_delete(self, rest: RestClient, method: str, resolve: Callable[[Any], Any]) -> None:
         training = need(self.training, "a training client")
@@ -448,7 +448,7 @@ def _targets_of(tokens: list[int]) -> types.TensorData:
     return types.TensorData.from_torch(torch.tensor(tokens[1:], dtype=torch.int64)[:, None])
 
 
-def _check(condition: bool, message: str) -> None:
+def _check(condition: Any, message: str) -> None:
     if not condition:
         raise AssertionError(message)
 
