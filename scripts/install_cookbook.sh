@@ -8,14 +8,15 @@ set -euo pipefail
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 COOKBOOK="tinker-cookbook==0.6.1"
 # chz: every CLI; datasets, blobfile: data loading; termcolor: multiplayer_rl; math-verify,
-# pylatexenc, sympy: math_rl (the cookbook's math-rl extra); tinker comes with the server's test extra.
+# pylatexenc, sympy: math_rl (the cookbook's math-rl extra); pyrage: weights.download; tinker comes
+# with the server's test extra.
 DEPS=("chz>=0.4.0" "datasets>=2.14.0" "blobfile>=3.0.0" "termcolor>=2.0.0"
-      "math-verify>=0.5.0" "pylatexenc>=2.0" "sympy>=1.12.0")
+      "math-verify>=0.5.0" "pylatexenc>=2.0" "sympy>=1.12.0" "pyrage>=1.2")
 
 if python - 2>/dev/null <<'EOF'
 import importlib.metadata
 assert importlib.metadata.version("tinker-cookbook").startswith("0.6.")
-import blobfile, chz, datasets, math_verify, pylatexenc, sympy, termcolor
+import blobfile, chz, datasets, math_verify, pylatexenc, pyrage, sympy, termcolor
 EOF
 then
     exit 0

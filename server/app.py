@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from server.api import futures, models, rest, sampling, sessions, training, weights
+from server.api import checkpoints, futures, models, rest, sampling, sessions, training, weights
 from server.api.deps import Services
 from server.config import ServerConfig
 from server.errors import Conflict, TinkerServerError
@@ -24,6 +24,8 @@ from server.rendering.images import ImagePreparer
 from server.rendering.sampling import VLLMRenderer
 from server.sampling.engine import build_sampling_engine
 from server.scheduler.scheduler import Scheduler
+from server.store.exports import Signer
+from server.store.retention import CheckpointPins
 from server.store.store import Store
 from server.training.parallel import free_port, init_training_group
 from server.training.trainer import build_trainer
@@ -58,7 +60,8 @@ def build_services(config: ServerConfig) -> Services:
     return Services(config=config, store=store,
                     scheduler=Scheduler(store, sampling_workers=sampler.max_concurrent_requests),
                     base=base, trainer=trainer, training_ranks=training_ranks, sampler=sampler, adapters=adapters,
-                    render_context=render_context, sampling_renderer=VLLMRenderer(render_context))
+                    render_context=render_context, sampling_renderer=VLLMRenderer(render_context),
+                    checkpoint_pins=CheckpointPins(), signer=Signer.from_data_dir(config.data_dir))
 
 
 async def _retention_loop(services: Services) -> None:
@@ -85,6 +88,16 @@ async def _session_expiry_loop(services: Services) -> None:
             logger.info("finished %d sessions silent for over %g s: %s", len(expired), timeout, ", ".join(expired))
 
 
+async def _checkpoint_sweep_loop(services: Services) -> None:
+    """Delete checkpoints past their TTL that are not in use (see server/store/retention.py)."""
+    while True:
+        await asyncio.sleep(services.config.store.checkpoint_sweep_seconds)
+        try:
+            await checkpoints.sweep_expired(services)
+        except Exception:
+            logger.exception("could not delete expired checkpoints")
+
+
 def _error_body(message: str, category: str) -> dict:
     # `detail` is what FastAPI clients expect; `error`/`category` mirror a failed future.
     return {"detail": message, "error": message, "category": category}
@@ -96,7 +109,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         services = await asyncio.to_thread(build_services, config)
         app.state.services = services
         housekeeping = [asyncio.create_task(_retention_loop(services)),
-                        asyncio.create_task(_session_expiry_loop(services))]
+                        asyncio.create_task(_session_expiry_loop(services)),
+                        asyncio.create_task(_checkpoint_sweep_loop(services))]
         logger.info("serving %s from %s", services.base.name, services.base.path)
         try:
             yield
@@ -111,7 +125,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             services.store.close()
 
     app = FastAPI(title="Tinker-compatible training service", lifespan=lifespan)
-    for module in (sessions, models, training, weights, sampling, futures, rest):
+    for module in (sessions, models, training, weights, sampling, futures, rest, checkpoints):
         app.include_router(module.router)
 
     @app.exception_handler(TinkerServerError)

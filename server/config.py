@@ -25,6 +25,12 @@ class StoreConfig:
     """Where checkpoint files (adapter + optimizer, PEFT sampler adapters) are written."""
     future_retention_seconds: float = 24 * 3600
     """Finished futures older than this are deleted from the journal, so it stays bounded."""
+    checkpoint_sweep_seconds: float = 60.0
+    """How often checkpoints past their TTL are looked for and deleted (files and rows)."""
+
+    def __post_init__(self):
+        if self.checkpoint_sweep_seconds <= 0:
+            raise ValueError(f"checkpoint_sweep_seconds must be positive, got {self.checkpoint_sweep_seconds}")
 
 
 @dataclass(frozen=True)
@@ -227,6 +233,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="vision-tower outputs kept by content hash, per model copy")
     parser.add_argument("--session-timeout", type=float, default=LimitsConfig.session_timeout_seconds,
                         help="seconds without a heartbeat after which a session is finished and its runs unloaded")
+    parser.add_argument("--checkpoint-sweep-interval", type=float, default=StoreConfig.checkpoint_sweep_seconds,
+                        help="seconds between looks for checkpoints past their TTL, which are then deleted")
     parser.add_argument("--gpus", type=int, default=1,
                         help="training processes on this node, one per GPU (with --device cpu: CPU processes)")
     parser.add_argument("--activation-checkpointing", action="store_true",
@@ -266,7 +274,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     return ServerConfig(
         model=ModelConfig(base_model=args.base_model, model_path=args.model_path,
                           model_cache_dir=data_dir / "models", device=args.device, dtype=args.dtype),
-        store=StoreConfig(database_url=database_url, checkpoint_dir=data_dir / "checkpoints"),
+        store=StoreConfig(database_url=database_url, checkpoint_dir=data_dir / "checkpoints",
+                          checkpoint_sweep_seconds=args.checkpoint_sweep_interval),
         host=args.host, port=args.port, data_dir=data_dir,
         images=ImageConfig(image_root=args.image_root.resolve() if args.image_root else None,
                            decoded_cache_bytes=args.image_cache_mb << 20,

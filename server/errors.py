@@ -27,6 +27,13 @@ class Unauthorized(TinkerServerError, PermissionError):
     category = "user"
 
 
+class Forbidden(TinkerServerError, PermissionError):
+    """The caller may not do this (e.g. a download URL whose signature is wrong or expired)."""
+
+    status_code = 403
+    category = "user"
+
+
 class NotFound(TinkerServerError, LookupError):
     """The named session, model, sampler, future or checkpoint does not exist."""
 

@@ -29,10 +29,12 @@ from server.sampling.types import SampledSequence
 from server.scheduler.scheduler import Scheduler, Work
 from server.store.checkpoints import parse_tinker_path
 from server.store.sampled_sequences import SampledSequenceRecord
+from server.store.exports import Signer
+from server.store.retention import CheckpointPins
 from server.store.store import (CheckpointRecord, SamplingSessionRecord, SessionRecord, Store,
                                 TrainingRunRecord)
 from server.training.trainer import Trainer
-from server.wire.types import LoraConfig, OptimizerConfig
+from server.wire.types import MAX_TTL_SECONDS, MIN_TTL_SECONDS, LoraConfig, OptimizerConfig
 
 JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
@@ -51,6 +53,10 @@ class Services:
     adapters: SamplerAdapters
     render_context: RenderContext
     sampling_renderer: VLLMRenderer
+    checkpoint_pins: CheckpointPins
+    """Checkpoints that requests of this process are loading, writing or copying (never swept meanwhile)."""
+    signer: Signer
+    """Signs download URLs and weights access tokens."""
 
 
 def get_services(request: Request) -> Services:
@@ -111,10 +117,20 @@ def run_of(store: Store, model_id: str, owner: str) -> TrainingRunRecord:
     return run
 
 
-def checkpoint_of(services: Services, path: str, owner: str) -> CheckpointRecord:
-    """The caller's checkpoint behind a tinker:// path, or 404."""
-    tinker_path = parse_tinker_path(path)
-    record = services.store.get_checkpoint(str(tinker_path))
+def checkpoint_of(services: Services, path: str, owner: str, access_token: str | None = None) -> CheckpointRecord:
+    """The checkpoint behind a tinker:// path that the caller may read (load, sample, copy), or 404: its own,
+    a published one, or one whose weights access token it holds."""
+    record = services.store.get_checkpoint(str(parse_tinker_path(path)))
+    if record is not None and (record.owner == owner or record.public or (
+            access_token is not None and services.signer.valid_weights_access_token(
+                access_token, record.tinker_path, record.created_at.isoformat()))):
+        return record
+    raise NotFound(f"no checkpoint {path}")
+
+
+def owned_checkpoint_of(services: Services, path: str, owner: str) -> CheckpointRecord:
+    """The caller's own checkpoint behind a tinker:// path (to publish, expire or delete it), or 404."""
+    record = services.store.get_checkpoint(str(parse_tinker_path(path)))
     if record is None or record.owner != owner:
         raise NotFound(f"no checkpoint {path}")
     return record
@@ -132,6 +148,13 @@ def check_base_model(services: Services, base_model: str | None) -> None:
     if base_model is not None and base_model != services.base.name:
         raise InvalidRequest(f"base_model {base_model!r} is not served here; this server serves "
                              f"{services.base.name!r}")
+
+
+def check_ttl(ttl_seconds: int | None) -> None:
+    """A save's ttl_seconds, in the SDK's documented range (None: the checkpoint never expires)."""
+    if ttl_seconds is not None and not MIN_TTL_SECONDS <= ttl_seconds <= MAX_TTL_SECONDS:
+        raise InvalidRequest(f"ttl_seconds must be between {MIN_TTL_SECONDS} (1 hour) and {MAX_TTL_SECONDS} "
+                             f"(10 years), got {ttl_seconds}")
 
 
 def check_optimizer(config: OptimizerConfig | None) -> None:

@@ -1,15 +1,9 @@
-"""The REST listing surface: training runs, checkpoints (list, delete, publish, ttl)."""
-
-import shutil
-from datetime import timedelta
+"""The REST listing surface: training runs and their checkpoints (changing a checkpoint is checkpoints.py)."""
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel
 
-from server.api.deps import OwnerDep, Services, ServicesDep, checkpoint_of, forget_checkpoint, run_of
-from server.errors import InvalidRequest
-from server.store.checkpoints import SCHEME
-from server.store.store import CheckpointRecord, TrainingRunRecord, utcnow
+from server.api.deps import OwnerDep, Services, ServicesDep, run_of
+from server.store.store import CheckpointRecord, TrainingRunRecord
 from server.wire.types import Checkpoint, CheckpointsListResponse, Cursor, TrainingRun, TrainingRunsResponse
 
 router = APIRouter(prefix="/api/v1")
@@ -37,9 +31,9 @@ def training_run_view(services: Services, run: TrainingRunRecord) -> TrainingRun
 
 @router.get("/training_runs")
 async def list_training_runs(services: ServicesDep, owner: OwnerDep, limit: int = Query(20, ge=1, le=1000),
-                             offset: int = Query(0, ge=0)) -> TrainingRunsResponse:
-    """The caller's training runs, newest first."""
-    runs, total = services.store.list_training_runs(owner=owner, limit=limit, offset=offset)
+                             offset: int = Query(0, ge=0), project_id: str | None = None) -> TrainingRunsResponse:
+    """The caller's training runs (of one project, or all), newest first."""
+    runs, total = services.store.list_training_runs(owner=owner, limit=limit, offset=offset, project_id=project_id)
     return TrainingRunsResponse(training_runs=[training_run_view(services, run) for run in runs],
                                 cursor=Cursor(offset=offset, limit=limit, total_count=total))
 
@@ -65,33 +59,3 @@ async def list_checkpoints(services: ServicesDep, owner: OwnerDep, limit: int = 
     records, total = services.store.list_checkpoints(model_id=None, owner=owner, limit=limit, offset=offset)
     return CheckpointsListResponse(checkpoints=[checkpoint_view(r) for r in records],
                                    cursor=Cursor(offset=offset, limit=limit, total_count=total))
-
-
-def _checkpoint_by_id(services: Services, model_id: str, checkpoint_id: str, owner: str) -> CheckpointRecord:
-    if "/" not in checkpoint_id:
-        raise InvalidRequest(f"checkpoint id {checkpoint_id!r} must look like weights/NAME or sampler_weights/NAME")
-    return checkpoint_of(services, f"{SCHEME}{model_id}/{checkpoint_id}", owner)
-
-
-@router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}")
-async def delete_checkpoint(model_id: str, checkpoint_id: str, services: ServicesDep, owner: OwnerDep) -> dict:
-    """Delete a checkpoint's listing and files."""
-    record = _checkpoint_by_id(services, model_id, checkpoint_id, owner)
-    services.store.delete_checkpoint(record.tinker_path)
-    forget_checkpoint(services, record)
-    shutil.rmtree(record.directory, ignore_errors=True)
-    return {}
-
-
-class TtlRequest(BaseModel):
-    ttl_seconds: int | None = None
-
-
-@router.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")
-async def set_checkpoint_ttl(model_id: str, checkpoint_id: str, body: TtlRequest, services: ServicesDep,
-                             owner: OwnerDep) -> dict:
-    """Set or clear a checkpoint's expiry."""
-    record = _checkpoint_by_id(services, model_id, checkpoint_id, owner)
-    expires_at = utcnow() + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds else None
-    services.store.set_checkpoint_expires_at(record.tinker_path, expires_at)
-    return {}

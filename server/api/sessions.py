@@ -1,4 +1,5 @@
-"""Client bootstrap and session lifecycle: client/config, sessions, heartbeats, finish, telemetry."""
+"""Client bootstrap and session lifecycle: client/config, sessions, heartbeats, finish, telemetry, projects and
+sessions/search."""
 
 import asyncio
 import uuid
@@ -8,6 +9,20 @@ from fastapi import APIRouter, Query
 
 from server.api.deps import OwnerDep, Services, ServicesDep, session_of, string_map
 from server.errors import Gone
+from server.store.store import SessionQuery, SessionSearchHit
+from server.wire.lifecycle import (
+    AssignSessionProjectRequest,
+    ClientFinishedStatusQuery,
+    ClientSessionFinished,
+    FinishReasonBody,
+    SessionActive,
+    SessionSearchCursor,
+    SessionSearchRequest,
+    SessionSearchResponse,
+    SessionSummary,
+    StatusQuery,
+    UserSearchOwner,
+)
 from server.wire.types import (
     ClientConfigRequest,
     ClientConfigResponse,
@@ -39,6 +54,8 @@ async def create_session(body: CreateSessionRequest, services: ServicesDep, owne
     session_id = str(uuid.uuid4())
     services.store.create_session(session_id, tags=body.tags, user_metadata=string_map(body.user_metadata),
                                   sdk_version=body.sdk_version, display_name=body.display_name, owner=owner)
+    if body.project_id:
+        services.store.set_session_project(session_id, body.project_id)
     return CreateSessionResponse(session_id=session_id)
 
 
@@ -99,6 +116,63 @@ async def get_session(session_id: str, services: ServicesDep, owner: OwnerDep) -
     return GetSessionResponse(training_run_ids=services.store.list_training_run_ids(session_id),
                               sampler_ids=services.store.list_sampling_session_ids(session_id),
                               user_metadata=session.user_metadata or None, display_name=session.display_name)
+
+
+@router.put("/sessions/{session_id}/project")
+async def assign_session_project(session_id: str, body: AssignSessionProjectRequest, services: ServicesDep,
+                                 owner: OwnerDep) -> dict:
+    """Move a session, with its runs and samplers, into a project (a label within the tenant)."""
+    session_of(services.store, session_id, owner)
+    services.store.set_session_project(session_id, body.project_id)
+    return {}
+
+
+_FINISH_REASONS = ("success", "errored", "interrupted")
+
+
+def _status_keys(query: StatusQuery) -> tuple[str, ...]:
+    # Nothing here is ever failed or cancelled by the server, so those queries match no session.
+    if query.type == "active":
+        return ("active",)
+    if isinstance(query, ClientFinishedStatusQuery):
+        return tuple(query.reasons or _FINISH_REASONS)
+    return ()
+
+
+def _summary(hit: SessionSearchHit) -> SessionSummary:
+    session = hit.session
+    status = None
+    if session.finished_at is None:
+        status = SessionActive()
+    elif session.finish_reason in _FINISH_REASONS:
+        status = ClientSessionFinished(reason=FinishReasonBody(type=session.finish_reason))
+    return SessionSummary(session_id=session.session_id, created_at=session.created_at, owner=session.owner,
+                          project_id=session.project_id, status=status, checkpoints_count=hit.num_checkpoints,
+                          display_name=session.display_name, user_metadata=session.user_metadata or None,
+                          checkpoint_storage_bytes=hit.checkpoint_bytes)
+
+
+@router.post("/sessions/search")
+async def search_sessions(body: SessionSearchRequest, services: ServicesDep, owner: OwnerDep) -> SessionSearchResponse:
+    """The caller's sessions matching every filter, newest first, one page at a time (a tenant sees only its own,
+    whatever `owner` asks for)."""
+    if isinstance(body.owner, UserSearchOwner) and owner not in body.owner.owner_urns:
+        return SessionSearchResponse(sessions=[])
+    query = SessionQuery(
+        owner=owner, session_id=body.session_id,
+        display_name_words=tuple(body.display_name.split()) if body.display_name else (),
+        project_ids=None if body.project_ids is None else tuple(body.project_ids),
+        user_metadata=body.user_metadata,
+        statuses=None if body.statuses is None else tuple(key for q in body.statuses for key in _status_keys(q)),
+        after=body.cursor and (body.cursor.last_created_at, body.cursor.last_session_id),
+        limit=body.limit + 1)  # one more tells whether another page follows
+    hits = await asyncio.to_thread(services.store.search_sessions, query)
+    page = hits[:body.limit]
+    next_cursor = None
+    if len(hits) > body.limit:
+        next_cursor = SessionSearchCursor(last_created_at=page[-1].session.created_at,
+                                          last_session_id=page[-1].session.session_id)
+    return SessionSearchResponse(sessions=[_summary(hit) for hit in page], next_cursor=next_cursor)
 
 
 @router.post("/telemetry")

@@ -1,7 +1,9 @@
-"""Checkpoints of training runs: save_weights, save_weights_for_sampler, load_weights, weights_info."""
+"""Checkpoints of training runs: save_weights, save_weights_for_sampler, save_weights_external, load_weights,
+weights_info."""
 
 import shutil
 from datetime import timedelta
+from pathlib import Path
 
 from fastapi import APIRouter, Request
 
@@ -11,6 +13,7 @@ from server.api.deps import (
     ServicesDep,
     check_base_model,
     check_optimizer,
+    check_ttl,
     checkpoint_of,
     ensure_sampling_session,
     forget_checkpoint,
@@ -26,7 +29,9 @@ from server.api.deps import (
 from server.errors import InvalidRequest
 from server.scheduler.scheduler import CREATION_SEQ_ID
 from server.store.checkpoints import TinkerPath, parse_tinker_path
+from server.store.exports import AGE_SUFFIX, encrypt_files, parse_age_recipients
 from server.store.store import CheckpointRecord, TrainingRunRecord, utcnow
+from server.wire.lifecycle import SaveWeightsExternalRequest, SaveWeightsExternalResponse
 from server.wire.types import (
     LoadWeightsRequest,
     LoadWeightsResponse,
@@ -43,8 +48,16 @@ router = APIRouter(prefix="/api/v1")
 
 
 def _save(services: Services, run: TrainingRunRecord, tinker_path: TinkerPath, *, overwrite: bool,
-          ttl_seconds: int | None, user_metadata: dict[str, str] | None, write) -> None:
-    """Write a checkpoint's files with `write(directory)` and record it (worker thread, in seq_id order)."""
+          ttl_seconds: int | None, user_metadata: dict[str, str] | None, write) -> int:
+    """Write a checkpoint's files with `write(directory)` and record it (worker thread, in seq_id order);
+    returns its size. Pinned meanwhile, so that the TTL sweeper never removes a version being written."""
+    with services.checkpoint_pins.hold(str(tinker_path)):
+        return _write_and_record(services, run, tinker_path, overwrite=overwrite, ttl_seconds=ttl_seconds,
+                                 user_metadata=user_metadata, write=write)
+
+
+def _write_and_record(services: Services, run: TrainingRunRecord, tinker_path: TinkerPath, *, overwrite: bool,
+                      ttl_seconds: int | None, user_metadata: dict[str, str] | None, write) -> int:
     directory = tinker_path.directory(services.config.store.checkpoint_dir)
     existing = services.store.get_checkpoint(str(tinker_path))
     if existing is not None:
@@ -59,6 +72,7 @@ def _save(services: Services, run: TrainingRunRecord, tinker_path: TinkerPath, *
         checkpoint_type=tinker_path.checkpoint_type, directory=str(directory), size_bytes=size, owner=run.owner,
         user_metadata=user_metadata or {}, created_at=now,
         expires_at=now + timedelta(seconds=ttl_seconds) if ttl_seconds else None))
+    return size
 
 
 @router.post("/save_weights")
@@ -71,6 +85,7 @@ async def save_weights(request: Request, services: ServicesDep, owner: OwnerDep)
     def prepare():
         tinker_path = TinkerPath(run.model_id, "weights", save.path or f"state-{save.seq_id}")
         parse_tinker_path(str(tinker_path))  # validates the name
+        check_ttl(save.ttl_seconds)
 
         def work():
             _save(services, run, tinker_path, overwrite=save.overwrite, ttl_seconds=save.ttl_seconds,
@@ -93,11 +108,15 @@ async def save_weights_for_sampler(request: Request, services: ServicesDep, owne
     run = run_of(services.store, save.model_id, owner)
 
     def prepare():
+        if save.kind == "inflight":
+            raise InvalidRequest("kind='inflight' sampling clients are not supported by this server yet; "
+                                 "use kind='snapshot'")
         if save.path is None:
             return ephemeral_work
 
         tinker_path = TinkerPath(run.model_id, "sampler_weights", save.path)
         parse_tinker_path(str(tinker_path))
+        check_ttl(save.ttl_seconds)
 
         def work():
             _save(services, run, tinker_path, overwrite=True, ttl_seconds=save.ttl_seconds,
@@ -120,20 +139,61 @@ async def save_weights_for_sampler(request: Request, services: ServicesDep, owne
     return UntypedAPIFuture(request_id=request_id, model_id=run.model_id)
 
 
+@router.post("/save_weights_external")
+async def save_weights_external(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
+    """Export the adapter (PEFT layout) as tinker://MODEL/external_weights/NAME, optionally age-encrypted."""
+    body = await read_body(request, services.config.limits.max_request_bytes)
+    save = SaveWeightsExternalRequest.model_validate_json(body)
+    run = run_of(services.store, save.model_id, owner)
+
+    def prepare():
+        tinker_path = TinkerPath(run.model_id, "external_weights", save.path)
+        parse_tinker_path(str(tinker_path))
+        check_ttl(save.ttl_seconds)
+        recipients = parse_age_recipients(save.age_encryption_recipients) if save.age_encryption_recipients \
+            else None
+
+        def write(directory):
+            size = services.trainer.save_for_sampler(run.model_id, directory)
+            return size if recipients is None else encrypt_files(directory, recipients)
+
+        def work():
+            size = _save(services, run, tinker_path, overwrite=True, ttl_seconds=save.ttl_seconds,
+                         user_metadata=None, write=write)
+            return json_result(SaveWeightsExternalResponse(path=str(tinker_path), size_bytes=size))
+
+        return work
+
+    request_id = await submit_training_op(services, model_id=run.model_id, seq_id=save.seq_id,
+                                          request_type="SaveWeightsExternal", body=body, prepare=prepare)
+    return UntypedAPIFuture(request_id=request_id, model_id=run.model_id)
+
+
 @router.post("/load_weights")
 async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
     """Load a checkpoint into an existing run, or create a run from it (create-via-load)."""
     body = await read_body(request, services.config.limits.max_request_bytes)
     load = LoadWeightsRequest.model_validate_json(body)
+
+    def readable_checkpoint() -> CheckpointRecord:
+        # Looked up when the request is accepted (a 404 at once) and again, pinned, when it runs: a
+        # checkpoint that expired or was deleted while the request waited for its turn fails it cleanly.
+        record = checkpoint_of(services, load.path, owner, access_token=load.weights_access_token)
+        if any(Path(record.directory).glob(f"*{AGE_SUFFIX}")):
+            raise InvalidRequest(f"{load.path} is age-encrypted: download it (external_weights_urls), it cannot "
+                                 f"be loaded")
+        return record
+
     if load.model_id is not None:
         run = run_of(services.store, load.model_id, owner)
         model_id, seq_id = run.model_id, load.seq_id
 
         def prepare():
-            checkpoint = checkpoint_of(services, load.path, owner)
+            readable_checkpoint()
 
             def work():
-                services.trainer.load_state(model_id, checkpoint.directory, load.optimizer)
+                with services.checkpoint_pins.hold(load.path):
+                    services.trainer.load_state(model_id, readable_checkpoint().directory, load.optimizer)
                 return json_result(LoadWeightsResponse(path=load.path, model_id=model_id))
 
             return work
@@ -144,10 +204,12 @@ async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep)
         model_id, seq_id = model_id_for(load.session_id, load.model_seq_id), CREATION_SEQ_ID
 
         def prepare():
-            checkpoint = checkpoint_of(services, load.path, owner)
+            readable_checkpoint()
 
             def work():
-                lora = services.trainer.create_model_from_checkpoint(model_id, checkpoint.directory, load.optimizer)
+                with services.checkpoint_pins.hold(load.path):
+                    lora = services.trainer.create_model_from_checkpoint(model_id, readable_checkpoint().directory,
+                                                                         load.optimizer)
                 services.store.create_training_run(training_run_record(
                     services, session_id=load.session_id, model_seq_id=load.model_seq_id, owner=owner, lora=lora,
                     user_metadata=load.user_metadata))
@@ -164,6 +226,6 @@ async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep)
 async def weights_info(body: WeightsInfoRequest, services: ServicesDep, owner: OwnerDep) -> WeightsInfoResponse:
     """What a checkpoint is: base model and LoRA settings (used by the CLI and cookbook tools)."""
     checkpoint = checkpoint_of(services, body.tinker_path, owner)
-    run = run_of(services.store, checkpoint.model_id, owner)
+    run = services.store.get_training_run(checkpoint.model_id)  # maybe another tenant's, for a published one
     return WeightsInfoResponse(base_model=run.base_model, is_lora=True, lora_rank=run.lora_rank,
                                train_unembed=run.train_unembed, train_mlp=run.train_mlp, train_attn=run.train_attn)

@@ -1,6 +1,6 @@
 """tinker:// checkpoint paths and where their files live on disk.
 
-A path is `tinker://{model_id}/{weights|sampler_weights}/{name}`, exactly as the SDK parses it
+A path is `tinker://{model_id}/{weights|sampler_weights|external_weights}/{name}`, exactly as the SDK parses it
 (three '/'-separated parts, so neither the run id nor the name may contain '/'). Files live
 under `{checkpoint_dir}/{model_id}/{segment}/{name}/`.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 from server.errors import InvalidRequest
 
 SCHEME = "tinker://"
-CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler"}
+CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 _NAME = re.compile(r"^[A-Za-z0-9_.:=+-]{1,200}$")
 
 
@@ -20,7 +20,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.:=+-]{1,200}$")
 class TinkerPath:
     model_id: str
     segment: str
-    """weights | sampler_weights"""
+    """weights | sampler_weights | external_weights"""
     name: str
 
     @property
@@ -51,5 +51,5 @@ def parse_tinker_path(path: str) -> TinkerPath:
     parts = path[len(SCHEME):].split("/") if path.startswith(SCHEME) else []
     if len(parts) != 3 or parts[1] not in CHECKPOINT_TYPES or not parts[0]:
         raise InvalidRequest(f"{path!r} is not a checkpoint path: expected "
-                             f"tinker://MODEL_ID/weights/NAME or tinker://MODEL_ID/sampler_weights/NAME")
+                             f"tinker://MODEL_ID/{{weights,sampler_weights,external_weights}}/NAME")
     return TinkerPath(parts[0], parts[1], validate_checkpoint_name(parts[2]))

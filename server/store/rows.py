@@ -74,6 +74,10 @@ class Base(DeclarativeBase):
     )
 
 
+DEFAULT_PROJECT = "default"
+"""The project of a session created without one (projects are labels within a tenant)."""
+
+
 class SessionRow(Base):
     """One SDK session (a ServiceClient); owns training runs and sampling sessions."""
 
@@ -89,6 +93,7 @@ class SessionRow(Base):
     last_heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finish_reason: Mapped[str | None] = mapped_column(sa.String)
+    project_id: Mapped[str] = mapped_column(sa.String, server_default=DEFAULT_PROJECT)
 
     __table_args__ = (sa.Index(None, "owner", "created_at"),)
 

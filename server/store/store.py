@@ -14,8 +14,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import sessionmaker
 
 from server.store.db import build_engine, upgrade_to_head
+from server.store.rows import (DEFAULT_PROJECT, Base, CheckpointRow, FutureRow, SamplingSessionRow, SessionRow,
+                               TrainingRunRow)
 from server.store.sampled_sequences import SampledSequences
-from server.store.rows import Base, CheckpointRow, FutureRow, SamplingSessionRow, SessionRow, TrainingRunRow
 
 FutureStatus = Literal["pending", "complete", "failed"]
 CheckpointType = Literal["training", "sampler", "external"]
@@ -40,6 +41,32 @@ class SessionRecord:
     last_heartbeat_at: datetime
     finished_at: datetime | None
     finish_reason: str | None
+    project_id: str = DEFAULT_PROJECT
+
+
+@dataclass(frozen=True)
+class SessionQuery:
+    """A search over one owner's sessions, newest first (keyset-paged by (created_at, session_id))."""
+
+    owner: str
+    session_id: str | None = None
+    display_name_words: tuple[str, ...] = ()
+    """Each must appear in the display name, ignoring case. With session_id, matching either one is enough."""
+    project_ids: tuple[str, ...] | None = None
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    """Every pair must be in the session's user_metadata."""
+    statuses: tuple[str, ...] | None = None
+    """"active" and finish reasons ("success", ...); a session matching any of them matches. None: any status."""
+    after: tuple[datetime, str] | None = None
+    """The (created_at, session_id) of the previous page's last session."""
+    limit: int = 50
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSearchHit:
+    session: SessionRecord
+    num_checkpoints: int
+    checkpoint_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,6 +259,46 @@ class Store:
         with self._transaction() as db:
             return list(db.scalars(statement))
 
+    def set_session_project(self, session_id: str, project_id: str) -> bool:
+        """Move a session (and with it its runs and samplers) into a project; False if it is unknown."""
+        statement = sa.update(SessionRow).where(SessionRow.session_id == session_id).values(project_id=project_id)
+        with self._transaction() as db:
+            return db.execute(statement).rowcount == 1
+
+    def search_sessions(self, query: SessionQuery) -> list[SessionSearchHit]:
+        """One page of the owner's sessions matching the query, newest first, with their checkpoint totals."""
+        where = [SessionRow.owner == query.owner]
+        by_name = [sa.func.lower(SessionRow.display_name).contains(word.lower(), autoescape=True)
+                   for word in query.display_name_words]
+        if query.session_id is not None and by_name:
+            where.append(sa.or_(SessionRow.session_id == query.session_id, sa.and_(*by_name)))
+        elif query.session_id is not None:
+            where.append(SessionRow.session_id == query.session_id)
+        else:
+            where.extend(by_name)
+        if query.project_ids is not None:
+            where.append(SessionRow.project_id.in_(query.project_ids))
+        metadata = sa.type_coerce(SessionRow.user_metadata, sa.JSON)
+        where.extend(metadata[key].as_string() == value for key, value in query.user_metadata.items())
+        if query.statuses is not None:
+            reasons = [status for status in query.statuses if status != "active"]
+            active = [SessionRow.finished_at.is_(None)] if "active" in query.statuses else []
+            where.append(sa.or_(sa.false(), *active, SessionRow.finish_reason.in_(reasons)))
+        if query.after is not None:
+            created_at, session_id = query.after
+            where.append(sa.or_(SessionRow.created_at < created_at,
+                                sa.and_(SessionRow.created_at == created_at, SessionRow.session_id < session_id)))
+        page = (sa.select(SessionRow).where(*where)
+                .order_by(SessionRow.created_at.desc(), SessionRow.session_id.desc()).limit(query.limit))
+        with self._transaction() as db:
+            sessions = [_to_record(SessionRecord, row) for row in db.scalars(page)]
+            totals = sa.select(TrainingRunRow.session_id, sa.func.count(), sa.func.sum(CheckpointRow.size_bytes)) \
+                .join(CheckpointRow, CheckpointRow.model_id == TrainingRunRow.model_id) \
+                .where(TrainingRunRow.session_id.in_([s.session_id for s in sessions])) \
+                .group_by(TrainingRunRow.session_id)
+            counts = {session_id: (count, size or 0) for session_id, count, size in db.execute(totals)}
+        return [SessionSearchHit(session, *counts.get(session.session_id, (0, 0))) for session in sessions]
+
     # training runs
 
     def create_training_run(self, run: TrainingRunRecord) -> None:
@@ -245,9 +312,13 @@ class Store:
             row = db.get(TrainingRunRow, model_id)
             return None if row is None else _to_record(TrainingRunRecord, row)
 
-    def list_training_runs(self, *, owner: str, limit: int, offset: int) -> tuple[list[TrainingRunRecord], int]:
-        """One page of the owner's training runs, newest first, and how many the owner has."""
+    def list_training_runs(self, *, owner: str, limit: int, offset: int,
+                           project_id: str | None = None) -> tuple[list[TrainingRunRecord], int]:
+        """One page of the owner's training runs (of one project, or all), newest first, and their total count."""
         where = TrainingRunRow.owner == owner
+        if project_id is not None:
+            in_project = sa.select(SessionRow.session_id).where(SessionRow.project_id == project_id)
+            where = sa.and_(where, TrainingRunRow.session_id.in_(in_project))
         page = (
             sa.select(TrainingRunRow)
             .where(where)
@@ -389,6 +460,23 @@ class Store:
         with self._transaction() as db:
             return db.execute(statement).rowcount == 1
 
+    def expired_checkpoints(self, now: datetime) -> list[CheckpointRecord]:
+        """Checkpoints whose expiry has passed and that no sampler uses (see `_checkpoint_in_use`)."""
+        statement = (sa.select(CheckpointRow)
+                     .where(CheckpointRow.expires_at <= now, ~_checkpoint_in_use())
+                     .order_by(CheckpointRow.expires_at))
+        with self._transaction() as db:
+            return [_to_record(CheckpointRecord, row) for row in db.scalars(statement)]
+
+    def delete_expired_checkpoint(self, record: CheckpointRecord, now: datetime) -> bool:
+        """Forget an expired checkpoint in one statement, unless it was saved again since `record` was read, its
+        expiry moved, or a sampler started using it; True if it was forgotten (its files are the caller's)."""
+        statement = sa.delete(CheckpointRow).where(
+            CheckpointRow.tinker_path == record.tinker_path, CheckpointRow.created_at == record.created_at,
+            CheckpointRow.expires_at <= now, ~_checkpoint_in_use())
+        with self._transaction() as db:
+            return db.execute(statement).rowcount == 1
+
     def delete_checkpoint(self, tinker_path: str) -> bool:
         """Forget a checkpoint (its files are the caller's); False if it is unknown."""
         with self._transaction() as db:
@@ -406,3 +494,15 @@ class Store:
         with self._transaction() as db:
             row = db.get(SamplingSessionRow, sampling_session_id)
             return None if row is None else _to_record(SamplingSessionRecord, row)
+
+
+def _checkpoint_in_use() -> sa.ColumnElement[bool]:
+    """A checkpoint is in use while a sampling session samples from it: one of a session that is not finished
+    (its client may sample at any time), or one with a sample request still pending. Correlated to the
+    checkpoints row of the enclosing statement, so a check and a delete happen in one statement."""
+    session_live = sa.select(SessionRow.session_id).where(SessionRow.session_id == SamplingSessionRow.session_id,
+                                                          SessionRow.finished_at.is_(None)).exists()
+    sample_pending = sa.select(FutureRow.request_id).where(
+        FutureRow.model_id == SamplingSessionRow.sampling_session_id, FutureRow.status == "pending").exists()
+    return sa.select(SamplingSessionRow.sampling_session_id).where(
+        SamplingSessionRow.model_path == CheckpointRow.tinker_path, sa.or_(session_live, sample_pending)).exists()

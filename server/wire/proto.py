@@ -27,7 +27,6 @@ from server.wire.types import (
     ImageChunk,
     ModelInput,
     ProvenanceSpan,
-    TensorData,
     densify_csr,
 )
 
@@ -302,7 +301,6 @@ class SampledSequenceOut:
     tokens: list[int]
     logprobs: list[float] | None
     stop_reason: Literal["stop", "length"]
-    topk_logprobs: TopkRows | None = None
 
 
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
@@ -313,7 +311,6 @@ def encode_sample_response(
     prompt_logprobs: list[float | None] | None = None,
     topk_prompt_logprobs: TopkRows | None = None,
     *,
-    target_prompt_logprobs: TensorData | None = None,
     prompt_cache_hit_tokens: int = 0,
 ) -> bytes:
     """Encode a SampleResponse.
@@ -321,8 +318,6 @@ def encode_sample_response(
     Args:
         prompt_logprobs: one entry per prompt position; None (position 0, or before
             prompt_logprobs_last_n) travels as NaN, which the SDK turns back into None.
-        target_prompt_logprobs: float32 logprobs in the same shape and layout (dense or CSR) as
-            the request's target_prompt_logprobs.
     """
     message = pb.SampleResponse(prompt_cache_hit_tokens=prompt_cache_hit_tokens)
     for sequence in sequences:
@@ -332,16 +327,12 @@ def encode_sample_response(
         )
         if sequence.logprobs is not None:
             out.logprobs = np.asarray(sequence.logprobs, dtype="<f4").tobytes()
-        if sequence.topk_logprobs is not None:
-            _write_topk(out.topk_sampled_logprobs, sequence.topk_logprobs)
     if prompt_logprobs is not None:
         message.prompt_logprobs = np.array(
             [math.nan if value is None else value for value in prompt_logprobs], dtype="<f4"
         ).tobytes()
     if topk_prompt_logprobs is not None:
         _write_topk(message.topk_prompt_logprobs, topk_prompt_logprobs)
-    if target_prompt_logprobs is not None:
-        _write_tensor(message.target_prompt_logprobs, target_prompt_logprobs)
     return message.SerializeToString()
 
 
@@ -359,16 +350,3 @@ def _write_topk(message: pb.TopkLogprobs, rows: TopkRows) -> None:
     message.token_ids = token_ids.tobytes()
     message.logprobs = logprobs.tobytes()
 
-
-def _write_tensor(message: pb.Tensor, tensor: TensorData) -> None:
-    wire_dtype = "<i8" if tensor.dtype == "int64" else "<f4"
-    message.dtype = pb.DTYPE_INT64 if tensor.dtype == "int64" else pb.DTYPE_FLOAT32
-    if tensor.shape is not None:
-        message.shape.extend(tensor.shape)
-    values = np.asarray(tensor.data, dtype=wire_dtype).tobytes()
-    if tensor.sparse_crow_indices is None:
-        message.dense = values
-        return
-    message.sparse_csr.values = values
-    message.sparse_csr.crow_indices = np.asarray(tensor.sparse_crow_indices, dtype="<i8").tobytes()
-    message.sparse_csr.col_indices = np.asarray(tensor.sparse_col_indices, dtype="<i8").tobytes()

@@ -420,6 +420,11 @@ def _check_checkpoint_name(name: str) -> str:
 
 CheckpointName = Annotated[str, AfterValidator(_check_checkpoint_name)]
 
+MIN_TTL_SECONDS, MAX_TTL_SECONDS = 3600, 10 * 366 * 24 * 3600
+TtlSeconds = Annotated[int, Field(ge=MIN_TTL_SECONDS, le=MAX_TTL_SECONDS)]
+"""A checkpoint's time to live: 1 hour to 10 years, as the SDK documents (None: it never expires). Requests
+with a seq_id take a plain int and check it when they are prepared, so that a refusal uses up the seq_id."""
+
 
 class SaveWeightsRequest(WireRequest):
     type: Literal["save_weights"] = "save_weights"

@@ -48,3 +48,12 @@ def server(backend_url: str, models_dir: Path, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="session")
 def service_client(server: LiveServer) -> tinker.ServiceClient:
     return server.service_client()
+
+
+@pytest.fixture(scope="session")
+def lifecycle_server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A server (SQLite) that looks for expired checkpoints every second: weights out, the checkpoint
+    lifecycle and the conformance checker run against it."""
+    live = start_server(tmp_path_factory.mktemp("lifecycle"), None, models_dir, "--checkpoint-sweep-interval", "1")
+    yield live
+    live.stop()

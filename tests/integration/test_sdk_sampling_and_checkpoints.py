@@ -4,11 +4,11 @@ parameters, save/load/resume with the optimizer, PEFT-loadable sampler weights, 
 import numpy as np
 import pytest
 import tinker
-import torch
 from tinker import types
 
 from support.live_server import BASE_MODEL
-from support.sdk import SENTENCES, check_sampling_parameters, forward_logprobs, prompt_of, supervised_datum
+from support.sdk import (SENTENCES, check_sampling_parameters, forward_logprobs, peft_logprobs, prompt_of,
+                         supervised_datum)
 
 ADAM = types.AdamParams(learning_rate=5e-3)
 
@@ -116,20 +116,13 @@ def test_a_run_created_from_a_checkpoint_keeps_its_user_metadata(service_client,
 
 
 def test_sampler_checkpoints_load_in_peft(server, service_client, trained):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     tc, tokenizer, data = trained
     path = tc.save_weights_for_sampler("for-peft").result().path
     run_id, _, name = path.removeprefix("tinker://").split("/")
     adapter_dir = server.data_dir / "checkpoints" / run_id / "sampler_weights" / name
     base_dir = server.data_dir / "models" / BASE_MODEL.removeprefix("builtin:")
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
-    ids = prompt_of(data[0])
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
-    peft_logprobs = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-    np.testing.assert_allclose(peft_logprobs.numpy(), forward_logprobs(tc, data[:1])[0], atol=1e-4)
+    np.testing.assert_allclose(peft_logprobs(base_dir, adapter_dir, prompt_of(data[0])),
+                               forward_logprobs(tc, data[:1])[0], atol=1e-4)
 
 
 def test_rest_listings_and_checkpoint_deletion(service_client, trained):

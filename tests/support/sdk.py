@@ -1,7 +1,10 @@
-"""Small builders shared by the SDK tests: data, and reading logprobs back through the SDK."""
+"""Small builders shared by the SDK tests: data, reading logprobs back through the SDK, and PEFT's view."""
+
+from pathlib import Path
 
 import numpy as np
 import tinker
+import torch
 from tinker import types
 
 SENTENCES = [
@@ -30,6 +33,17 @@ def prompt_of(datum: types.Datum) -> list[int]:
     """The datum's full token sequence (inputs plus the last target)."""
     tokens = datum.model_input.to_ints()
     return tokens + [int(datum.loss_fn_inputs["target_tokens"].tolist()[-1])]
+
+
+def peft_logprobs(base_dir: Path, adapter_dir: Path, ids: list[int]) -> np.ndarray:
+    """Next-token logprobs of `ids` from PEFT: the base model in `base_dir` with the adapter in `adapter_dir`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
 
 
 def check_sampling_parameters(sampler: tinker.SamplingClient, tokenizer) -> None:

@@ -24,6 +24,7 @@ CLI_OPTIONS = {
     "--image-cache-mb",
     "--feature-cache-mb",
     "--session-timeout",
+    "--checkpoint-sweep-interval",
     "--gpus",
     "--activation-checkpointing",
     "--microbatch-tokens",

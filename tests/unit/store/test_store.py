@@ -2,7 +2,6 @@
 
 import sqlite3
 import threading
-from collections.abc import Iterator
 from contextlib import closing
 from datetime import UTC, datetime, timedelta
 
@@ -17,13 +16,6 @@ from server.store.rows import Base
 from server.store.store import CheckpointRecord, SamplingSessionRecord, Store, TrainingRunRecord
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
-
-
-@pytest.fixture
-def store(database_url: str) -> Iterator[Store]:
-    store = Store(database_url)
-    yield store
-    store.close()
 
 
 def make_session(store: Store, session_id: str = "s1", owner: str = "alice") -> None:

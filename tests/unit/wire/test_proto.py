@@ -18,7 +18,7 @@ from server.wire.proto import (
     encode_forward_backward_output,
     encode_sample_response,
 )
-from server.wire.types import EncodedTextChunk, ImageChunk, TensorData
+from server.wire.types import EncodedTextChunk, ImageChunk
 
 PNG_BYTES = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 3
 
@@ -364,10 +364,7 @@ def test_sample_response_without_prompt_logprobs_reads_as_none():
 
 def test_topk_rows_are_padded_with_sentinels_the_sdk_strips():
     prompt_topk = [None, [(5, -0.1), (6, -2.0)], [(7, -0.3)]]
-    sampled_topk = [[(9, -0.01), (10, -4.0), (11, -5.0)], None]
-    sequences = [
-        SampledSequenceOut(tokens=[9, 3], logprobs=[-0.01, -1.0], stop_reason="stop", topk_logprobs=sampled_topk)
-    ]
+    sequences = [SampledSequenceOut(tokens=[9, 3], logprobs=[-0.01, -1.0], stop_reason="stop")]
     body = encode_sample_response(sequences, [None, -0.1, -0.3], prompt_topk)
     message = pb.SampleResponse.FromString(body)
     assert (message.topk_prompt_logprobs.k, message.topk_prompt_logprobs.length) == (2, 3)
@@ -377,10 +374,6 @@ def test_topk_rows_are_padded_with_sentinels_the_sdk_strips():
     result = response_conv.deserialize_sample_response(body)
     expected_prompt = [None, [(5, pytest.approx(-0.1)), (6, -2.0)], [(7, pytest.approx(-0.3))]]
     assert result.topk_prompt_logprobs == expected_prompt
-    assert result.sequences[0].topk_logprobs == [
-        [(9, pytest.approx(-0.01)), (10, -4.0), (11, -5.0)],
-        None,
-    ]
 
 
 def test_topk_with_every_row_empty_still_reads_as_requested():
@@ -388,23 +381,6 @@ def test_topk_with_every_row_empty_still_reads_as_requested():
         [SampledSequenceOut(tokens=[1], logprobs=[-1.0], stop_reason="stop")], [None], [None]
     )
     assert response_conv.deserialize_sample_response(body).topk_prompt_logprobs == [None]
-
-
-def test_target_prompt_logprobs_keep_the_request_layout():
-    dense = TensorData(data=[-0.5, 0.0, -1.5, -2.0], dtype="float32", shape=[2, 2])
-    sparse = TensorData(
-        data=[-0.5, -2.0], dtype="float32", shape=[2, 3], sparse_crow_indices=[0, 1, 2], sparse_col_indices=[0, 2]
-    )
-    sequence = SampledSequenceOut(tokens=[1], logprobs=[-1.0], stop_reason="stop")
-    for tensor in (dense, sparse):
-        result = response_conv.deserialize_sample_response(
-            encode_sample_response([sequence], target_prompt_logprobs=tensor)
-        )
-        theirs = result.target_prompt_logprobs
-        assert theirs.dtype == "float32"
-        assert theirs.shape == tensor.shape
-        assert theirs.sparse_crow_indices == tensor.sparse_crow_indices
-        np.testing.assert_array_equal(theirs.to_numpy(), tensor.to_numpy())
 
 
 def test_our_generated_module_is_the_sdk_schema():
