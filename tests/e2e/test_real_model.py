@@ -104,11 +104,16 @@ def test_math_rl_raises_the_format_reward_against_a_learning_rate_0_control(serv
 
 
 DIGITS_SCRIPT = Path(__file__).with_name("digits_classifier.py")
+DIGITS_ARGS = ["--num-steps", "6", "--batch-size", "16", "--eval-every", "6", "--held-out-fraction", "0.02",
+               "--num-nll-eval", "16"]
 
 
-def test_the_vlm_around_smollm2_learns_to_read_digits_through_the_sdk(models_dir, tmp_path):
-    # The Qwen2-VL model whose language model is SmolLM2: its vision tower is random and frozen, so
-    # LoRA on the language model has to learn to read the tower's features of each digit.
+def test_the_vlm_around_smollm2_trains_on_digit_images_through_the_sdk(models_dir, tmp_path):
+    # The Qwen2-VL model whose language model is SmolLM2, through the digits classifier script: image
+    # chunks, LoRA steps, snapshots, greedy sampling and compute_logprobs on image prompts. Its vision
+    # tower is random and frozen, so reading the digits takes hundreds of steps (on a GPU:
+    # benchmarks/real_model_learning.py); six steps show the answer format learnt (held-out NLL from
+    # about 7 to about chance, ln(10) / 2 per answer token) with finite, sane metrics.
     data_dir = tmp_path / "server"
     server = start_server(data_dir, f"sqlite:///{data_dir}/server.db", models_dir,
                           base_model="builtin:" + smollm2.VISION_NAME)
@@ -121,5 +126,8 @@ def test_the_vlm_around_smollm2_learns_to_read_digits_through_the_sdk(models_dir
     finally:
         server.stop()
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    evals = [r for r in read_jsonl(log_dir / "metrics.jsonl") if "accuracy" in r]
-    assert [r["step"] for r in evals] == DIGITS_EVAL_STEPS
+    rows = read_jsonl(log_dir / "metrics.jsonl")
+    assert_all_finite(rows)
+    evals = [row for row in rows if "accuracy" in row]
+    assert [row["step"] for row in evals] == [0, 6] and all(0 <= row["accuracy"] <= 1 for row in evals)
+    assert evals[0]["held_out_nll"] > 4 and evals[1]["held_out_nll"] < 2.0, evals
