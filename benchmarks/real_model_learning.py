@@ -53,6 +53,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--digits-batch-size", type=int, default=64)
     parser.add_argument("--digits-eval-every", type=int, default=50)
     parser.add_argument("--digits-learning-rate", type=float, default=1e-3)
+    parser.add_argument("--digits-held-out-fraction", type=float, default=0.2)
     return parser.parse_args()
 
 
@@ -73,7 +74,8 @@ def run_digits(server, workdir: Path, args) -> list[dict]:
         [sys.executable, str(DIGITS_SCRIPT), "--base-url", server.url, "--base-model",
          "builtin:" + smollm2.VISION_NAME, "--log-dir", str(log), "--num-steps", str(args.digits_steps),
          "--batch-size", str(args.digits_batch_size), "--eval-every", str(args.digits_eval_every),
-         "--learning-rate", str(args.digits_learning_rate)],
+         "--learning-rate", str(args.digits_learning_rate), "--held-out-fraction",
+         str(args.digits_held_out_fraction)],
         env=dict(os.environ, TINKER_API_KEY=API_KEY, TINKER_TELEMETRY="0"), capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     (args.out / "digits.png").write_bytes((log / "metrics.png").read_bytes())
