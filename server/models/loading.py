@@ -1,6 +1,6 @@
 """Resolve the served base model to a directory and load it (weights frozen) with its tokenizer.
 
-Knows the three places a model can come from: a built-in tiny model (built on first use), an
+Knows the three places a model can come from: a built-in model (built on first use), an
 explicit `--model-path` directory, or the local hub cache. Never touches the network.
 """
 
@@ -14,7 +14,7 @@ import transformers
 from server.config import BUILTIN_PREFIX, ModelConfig
 from server.models.image_processor import ImageProcessorSpec
 from server.models.registry import ModelFamily, VisionSpec, family_for
-from server.models.tiny import ensure_builtin_model
+from server.models.builtin import ensure_builtin_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

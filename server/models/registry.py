@@ -65,6 +65,7 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in [
     # Experts are fused 3-D tensors, not nn.Linear: MLP LoRA has no targets in this family.
     ModelFamily(model_type="qwen3_vl_moe", arch="qwen3_vl_moe", mlp_modules=(), **_VISION),
     ModelFamily(model_type="qwen2", arch="qwen2", **_TEXT),
+    ModelFamily(model_type="llama", arch="llama", **_TEXT),
     ModelFamily(model_type="qwen3", arch="qwen3", **_TEXT),
 ]}
 

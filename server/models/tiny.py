@@ -1,9 +1,9 @@
 """Built-in tiny models: random-weight, deterministic members of each supported family, built offline.
 
-Owns everything on disk for `builtin:<name>` base models: a locally trained byte-level BPE with the
-real Qwen special tokens and chat templates, hand-written configs, seeded weights, and the cache
-directory they are built into. Knows nothing about how the server trains or samples them, and
-nothing about image preprocessing beyond writing preprocessor_config.json.
+Owns what is on disk for the `builtin:tiny-*` base models: a locally trained byte-level BPE with the
+real Qwen special tokens and chat templates, hand-written configs and seeded weights (`builtin.py`
+caches them by name). Knows nothing about how the server trains or samples them, and nothing about
+image preprocessing beyond writing preprocessor_config.json.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import argparse
 import json
 import math
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 BUILTIN_FAMILIES: dict[str, str] = {
@@ -160,6 +158,14 @@ def _training_corpus(num_lines: int = 4000) -> list[str]:
     return lines
 
 
+def chat_template_for(family: str) -> str:
+    """The family's chat template: Qwen2-VL / Qwen2.5-VL insert a default system prompt; Qwen3(-VL) do not."""
+    if family == "qwen3":
+        return QWEN3_CHAT_TEMPLATE
+    default_system = "true" if family in ("qwen2-vl", "qwen2.5-vl") else "false"
+    return VL_CHAT_TEMPLATE.replace("__DEFAULT_SYSTEM__", default_system)
+
+
 def _build_tokenizer(family: str):
     """Train the byte-level BPE with Qwen2's pipeline and wrap it as an HF fast tokenizer."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -183,12 +189,6 @@ def _build_tokenizer(family: str):
     # Like Qwen: regular vocab first, then the special tokens, then the extra added tokens.
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in EXTRA_ADDED_TOKENS])
-    if family == "qwen3":
-        chat_template = QWEN3_CHAT_TEMPLATE
-    else:
-        # Qwen2-VL / Qwen2.5-VL insert a default system prompt; Qwen3-VL does not.
-        default_system = "true" if family in ("qwen2-vl", "qwen2.5-vl") else "false"
-        chat_template = VL_CHAT_TEMPLATE.replace("__DEFAULT_SYSTEM__", default_system)
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|im_end|>",  # instruct checkpoints stop on <|im_end|>
@@ -198,7 +198,7 @@ def _build_tokenizer(family: str):
         model_max_length=32768,
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
-        chat_template=chat_template,
+        chat_template=chat_template_for(family),
     )
 
 
@@ -291,7 +291,7 @@ def _to_hub_expert_layout(safetensors_path: Path, hidden: int, moe_intermediate:
     save_file(tensors, str(safetensors_path), metadata={"format": "pt"})
 
 
-def _write_preprocessor_config(out: Path, family: str) -> None:
+def write_preprocessor_config(out: Path, family: str) -> None:
     vd = VISION_DEFAULTS[family]
     config = {
         # Same keys as the real checkpoints; both the torchvision and PIL backends of transformers'
@@ -352,7 +352,7 @@ def build_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
     if family != "qwen3":
         # v5 writes chat_template.jinja; older processor loaders read the JSON copy.
         (out / "chat_template.json").write_text(json.dumps({"chat_template": tokenizer.chat_template}, indent=2))
-        _write_preprocessor_config(out, family)
+        write_preprocessor_config(out, family)
     meta = {
         "family": family,
         "special_token_ids": token_ids,
@@ -362,29 +362,6 @@ def build_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
     }
     (out / "tiny_model_meta.json").write_text(json.dumps(meta, indent=2))
     return out
-
-
-def ensure_builtin_model(name: str, cache_dir: Path) -> Path:
-    """Return cache_dir/<name>, building the built-in tiny model there on first use."""
-    if name not in BUILTIN_FAMILIES:
-        raise ValueError(f"unknown built-in model {name!r}; known: {', '.join(BUILTIN_FAMILIES)}")
-    cache_dir = Path(cache_dir)
-    target = cache_dir / name
-    # The directory only ever appears by an atomic rename, so if it exists it is complete.
-    if target.is_dir():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_dir))
-    try:
-        build_tiny_model(BUILTIN_FAMILIES[name], staging)
-        staging.rename(target)
-    except OSError:
-        # A concurrent build renamed its copy into place first; theirs is identical.
-        if not target.is_dir():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 if __name__ == "__main__":

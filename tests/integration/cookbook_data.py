@@ -5,6 +5,9 @@ hub, so a recipe started in a directory that holds these loads them with HF_DATA
 no change to its code. Knows nothing about the server or the recipes' training loops.
 
     python tests/integration/cookbook_data.py DIR   # writes DIR/Anthropic/hh-rlhf and DIR/dpdl-benchmark/caltech101
+
+`write_chit_chat` is not made up: it puts real conversations (the Chit-Chat Challenge corpus of the
+`chitchat-dataset` package, MIT) where the cookbook's chat recipes look for NoRobots.
 """
 
 import io
@@ -17,6 +20,7 @@ from PIL import Image, ImageDraw
 
 HH_RLHF = "Anthropic/hh-rlhf"
 CALTECH101 = "dpdl-benchmark/caltech101"
+NO_ROBOTS = "HuggingFaceH4/no_robots"
 
 _COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white"]
 _THINGS = ["apple", "car", "house", "ball", "cup", "book", "bird", "hat"]
@@ -97,7 +101,44 @@ def write_caltech101(root: Path, num_train_per_class: int = 4, num_test_per_clas
     return root / CALTECH101
 
 
+def write_chit_chat(root: Path, num_train: int, num_test: int, seed: int = 0) -> Path:
+    """Write `root/HuggingFaceH4/no_robots/data/{train,test}-*.parquet` (a `messages` column, as NoRobots
+    has) with real human-to-human chats: the first speaker of each is the user, the other the assistant.
+
+    7,168 conversations of students chatting freely (BYU's Chit-Chat Challenge, 2018); a seeded choice
+    of disjoint train and test conversations.
+    """
+    import chitchat_dataset
+
+    corpus = chitchat_dataset.Dataset()
+    # Some chats never got going: keep those with at least two turns from each side.
+    chats = [messages for _, messages in sorted((key, _chat_messages(value["messages"])) for key, value in corpus.items())
+             if len(messages) >= 4]
+    chosen = random.Random(seed).sample(chats, num_train + num_test)
+    out = root / NO_ROBOTS / "data"
+    out.mkdir(parents=True, exist_ok=True)
+    for split, rows in (("train", chosen[:num_train]), ("test", chosen[num_train:])):
+        datasets.Dataset.from_list([{"messages": messages} for messages in rows]).to_parquet(
+            str(out / f"{split}-00000-of-00001.parquet"))
+    return root / NO_ROBOTS
+
+
+def _chat_messages(turns: list[list[dict]]) -> list[dict[str, str]]:
+    """One message per turn (a turn is a run of lines by one sender), roles by who spoke first."""
+    first_sender = turns[0][0]["sender"]
+    messages: list[dict[str, str]] = []
+    for turn in turns:
+        role = "user" if turn[0]["sender"] == first_sender else "assistant"
+        text = "\n".join(line["text"].strip() for line in turn)
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"] += "\n" + text
+        else:
+            messages.append({"role": role, "content": text})
+    return messages
+
+
 if __name__ == "__main__":
     target = Path(sys.argv[1])
     print(write_hh_rlhf(target))
     print(write_caltech101(target))
+    print(write_chit_chat(target, num_train=512, num_test=32))

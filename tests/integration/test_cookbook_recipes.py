@@ -22,18 +22,13 @@ import tinker
 import tinker_cookbook
 
 from cookbook_data import write_caltech101, write_hh_rlhf
+from support.cookbook import assert_all_finite, link, read_jsonl, run_recipe
 from support.live_server import API_KEY, LiveServer, start_server
-from server.models.tiny import ensure_builtin_model
+from server.models.builtin import ensure_builtin_model
 
 TEXT_MODEL = "Qwen/Qwen3-8B"  # model_info: renderer qwen3; served by the tiny qwen3
 VISION_MODEL = "Qwen/Qwen3-VL-30B-A3B-Instruct"  # renderer qwen3_vl_instruct; a MoE, like tiny-qwen3-vl-moe
 RECIPE_SECONDS = 300
-
-
-def _link(name: Path, target: Path) -> None:
-    name.parent.mkdir(parents=True, exist_ok=True)
-    if not name.exists():
-        name.symlink_to(target, target_is_directory=True)
 
 
 def _start(workdir: Path, models_dir: Path, data_dir: Path, base_model: str) -> LiveServer:
@@ -45,7 +40,7 @@ def _start(workdir: Path, models_dir: Path, data_dir: Path, base_model: str) -> 
 def workdir(tmp_path_factory: pytest.TempPathFactory, models_dir: Path) -> Path:
     """Where the recipes run: the tiny text model under its hub name and the hh-rlhf stand-in."""
     root = tmp_path_factory.mktemp("cookbook")
-    _link(root / TEXT_MODEL, ensure_builtin_model("tiny-qwen3", models_dir))
+    link(root / TEXT_MODEL, ensure_builtin_model("tiny-qwen3", models_dir))
     write_hh_rlhf(root)
     return root
 
@@ -60,31 +55,9 @@ def text_server(workdir: Path, models_dir: Path, tmp_path_factory: pytest.TempPa
 @pytest.fixture(scope="module")
 def vision_workdir(workdir: Path, models_dir: Path) -> Path:
     """The same directory, plus the tiny VLM under its hub name and the Caltech-101 stand-in."""
-    _link(workdir / VISION_MODEL, ensure_builtin_model("tiny-qwen3-vl-moe", models_dir))
+    link(workdir / VISION_MODEL, ensure_builtin_model("tiny-qwen3-vl-moe", models_dir))
     write_caltech101(workdir)
     return workdir
-
-
-def run_recipe(server: LiveServer, workdir: Path, module: str, *args: str) -> str:
-    """Run `python -m tinker_cookbook.recipes.<module> args...` as a user would; its output, or fail with it."""
-    env = dict(os.environ, TINKER_BASE_URL=server.url, TINKER_API_KEY=API_KEY, TINKER_TELEMETRY="0",
-               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(workdir / "hf-home"),
-               TINKER_COOKBOOK_RUNS_DIR=str(workdir / "runs"))
-    done = subprocess.run([sys.executable, "-m", f"tinker_cookbook.recipes.{module}", *args], cwd=workdir, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=RECIPE_SECONDS)
-    assert done.returncode == 0, (f"{module} exited with {done.returncode}:\n{done.stdout[-8000:]}\n"
-                                  f"--- server log ---\n{server.log()}")
-    return done.stdout
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def assert_all_finite(rows: list[dict]) -> None:
-    bad = {(row.get("step"), key): value for row in rows for key, value in row.items()
-           if isinstance(value, float) and not math.isfinite(value)}
-    assert not bad, f"non-finite metrics: {bad}"
 
 
 def test_chat_sl_learns_the_example_conversations_and_resumes_from_its_checkpoints(text_server, workdir):

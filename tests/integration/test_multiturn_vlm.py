@@ -15,7 +15,7 @@ from PIL import Image
 from client_compat.chat import ChatRenderer
 from client_compat.examples.grid_walk import GridWalk, sdk_loop
 from client_compat.rollout import Episode, ImageTokensMismatch
-from server.models.tiny import ensure_builtin_model
+from server.models.builtin import ensure_builtin_model
 from support.live_server import API_KEY, REPO_ROOT, LiveServer, start_server
 
 MODEL = "builtin:tiny-qwen2-vl"

@@ -18,7 +18,7 @@ from tinker_cookbook.rl.types import Trajectory, Transition
 from client_compat.chat import ChatRenderer
 from client_compat.env import ConversationEnv, Reply
 from client_compat.rollout import Episode, discounted_returns
-from server.models.tiny import ensure_builtin_model
+from server.models.builtin import ensure_builtin_model
 
 VISION_FAMILIES = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-qwen3-vl-moe"]
 DEFAULT_SYSTEM = {"tiny-qwen2-vl": True, "tiny-qwen2.5-vl": True, "tiny-qwen3-vl": False, "tiny-qwen3-vl-moe": False}

@@ -12,7 +12,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from server.models import tiny
-from server.models.tiny import BUILTIN_FAMILIES, SPECIAL_TOKENS, build_tiny_model, ensure_builtin_model
+from server.models.builtin import ensure_builtin_model
+from server.models.tiny import BUILTIN_FAMILIES, SPECIAL_TOKENS, build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 VISION_NAMES = [name for name, family in BUILTIN_FAMILIES.items() if family != "qwen3"]

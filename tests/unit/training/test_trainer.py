@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from server.config import ModelConfig, TrainerConfig
 from server.errors import InvalidRequest
 from server.models.loading import LoadedModel, load_base_model
-from server.models.tiny import ensure_builtin_model
+from server.models.builtin import ensure_builtin_model
 from server.rendering.provenance import RECORDED_LOGPROBS, SAMPLED_MASK
 from server.rendering.training import TrainingExample
 from server.training.lora import AdapterSlot, LoraAdapter, apply_lora_wrappers, use_adapter
