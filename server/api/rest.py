@@ -1,16 +1,17 @@
 """The REST listing surface: training runs, checkpoints (list, delete, publish, ttl)."""
 
-import shutil
 from datetime import timedelta
+from pathlib import Path
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel
 
 from server.api.deps import OwnerDep, Services, ServicesDep, checkpoint_of, forget_checkpoint, run_of
 from server.errors import InvalidRequest
-from server.store.checkpoints import SCHEME
+from server.store.checkpoints import SCHEME, remove_checkpoint_files
 from server.store.store import CheckpointRecord, TrainingRunRecord, utcnow
-from server.wire.types import Checkpoint, CheckpointsListResponse, Cursor, TrainingRun, TrainingRunsResponse
+from server.wire.types import (MAX_INT32, Checkpoint, CheckpointsListResponse, Cursor, TrainingRun,
+                               TrainingRunsResponse, TtlSeconds)
 
 router = APIRouter(prefix="/api/v1")
 
@@ -37,7 +38,7 @@ def training_run_view(services: Services, run: TrainingRunRecord) -> TrainingRun
 
 @router.get("/training_runs")
 async def list_training_runs(services: ServicesDep, owner: OwnerDep, limit: int = Query(20, ge=1, le=1000),
-                             offset: int = Query(0, ge=0)) -> TrainingRunsResponse:
+                             offset: int = Query(0, ge=0, le=MAX_INT32)) -> TrainingRunsResponse:
     """The caller's training runs, newest first."""
     runs, total = services.store.list_training_runs(owner=owner, limit=limit, offset=offset)
     return TrainingRunsResponse(training_runs=[training_run_view(services, run) for run in runs],
@@ -60,7 +61,7 @@ async def list_run_checkpoints(model_id: str, services: ServicesDep, owner: Owne
 
 @router.get("/checkpoints")
 async def list_checkpoints(services: ServicesDep, owner: OwnerDep, limit: int = Query(100, ge=1, le=1000),
-                           offset: int = Query(0, ge=0)) -> CheckpointsListResponse:
+                           offset: int = Query(0, ge=0, le=MAX_INT32)) -> CheckpointsListResponse:
     """All of the caller's checkpoints, newest first."""
     records, total = services.store.list_checkpoints(model_id=None, owner=owner, limit=limit, offset=offset)
     return CheckpointsListResponse(checkpoints=[checkpoint_view(r) for r in records],
@@ -79,12 +80,12 @@ async def delete_checkpoint(model_id: str, checkpoint_id: str, services: Service
     record = _checkpoint_by_id(services, model_id, checkpoint_id, owner)
     services.store.delete_checkpoint(record.tinker_path)
     forget_checkpoint(services, record)
-    shutil.rmtree(record.directory, ignore_errors=True)
+    remove_checkpoint_files(Path(record.directory), services.config.store.checkpoint_dir)
     return {}
 
 
 class TtlRequest(BaseModel):
-    ttl_seconds: int | None = None
+    ttl_seconds: TtlSeconds | None = None
 
 
 @router.put("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/ttl")

@@ -11,6 +11,7 @@ from server.api.deps import (
     Services,
     ServicesDep,
     check_base_model,
+    check_sampled_tokens,
     checkpoint_of,
     ensure_sampling_session,
     new_request_id,
@@ -115,6 +116,7 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
                              "supported by this server yet")
     prompt = await asyncio.to_thread(services.sampling_renderer.render, sample.prompt)
     options = sampling_options(services, sample, prompt.num_positions)
+    check_sampled_tokens(services, sample.num_samples, options.max_tokens)
     want_prompt_logprobs = sample.prompt_logprobs or sample.topk_prompt_logprobs > 0
 
     def work():
@@ -130,13 +132,14 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
             topk = topk and [None] * first + topk[first:]
         sequences = [SampledSequenceOut(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason)
                      for s in output.sequences]
+        services.metrics.count_tokens("sampled", sum(len(s.tokens) for s in sequences))
         return encode_sample_response(sequences, prompt_logprobs=prompt_logprobs,
                                       topk_prompt_logprobs=topk), PROTOBUF
 
     sampler_id = sample.sampling_session_id or f"direct:{owner}"
     seq_id = sample.seq_id
     request_id = await services.scheduler.submit_sampling(
-        request_id=new_request_id(), sampling_session_id=sampler_id, seq_id=seq_id, payload_hash=payload_hash(body),
+        request_id=new_request_id(), owner=owner, sampling_session_id=sampler_id, seq_id=seq_id, payload_hash=payload_hash(body),
         work=work)
     sequence_ids = [f"{sampler_id}:seq:{request_id if seq_id is None else seq_id}:{i}"
                     for i in range(sample.num_samples)]

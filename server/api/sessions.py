@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query
 from server.api.deps import OwnerDep, Services, ServicesDep, session_of, string_map
 from server.errors import Gone
 from server.wire.types import (
+    MAX_INT32,
     ClientConfigRequest,
     ClientConfigResponse,
     CreateSessionRequest,
@@ -86,7 +87,7 @@ def _unload(services: Services, model_id: str) -> None:
 
 @router.get("/sessions")
 async def list_sessions(services: ServicesDep, owner: OwnerDep, limit: int = Query(20, ge=1, le=1000),
-                        offset: int = Query(0, ge=0)) -> ListSessionsResponse:
+                        offset: int = Query(0, ge=0, le=MAX_INT32)) -> ListSessionsResponse:
     """The caller's sessions, newest first."""
     sessions = services.store.list_sessions(owner=owner, limit=limit, offset=offset)
     return ListSessionsResponse(sessions=[s.session_id for s in sessions])

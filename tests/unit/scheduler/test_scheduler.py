@@ -34,9 +34,10 @@ def _recording_work(log: list, name: str, delay: float = 0.0):
 async def _created_scheduler(store) -> Scheduler:
     """A scheduler on which model s:train:0 has been created (its requests are accepted from then on)."""
     scheduler = Scheduler(store)
-    created = await scheduler.submit_training(request_id="create", request_type="CreateModel", model_id="s:train:0",
+    created = await scheduler.submit_training(owner="o",
+                                              request_id="create", request_type="CreateModel", model_id="s:train:0",
                                               seq_id=0, payload_hash="c", work=lambda: (b"", "text/plain"))
-    await scheduler.retrieve(created, timeout=10)
+    await scheduler.retrieve(created, timeout=10, owner="o")
     return scheduler
 
 
@@ -47,9 +48,9 @@ def test_training_requests_run_in_seq_id_order_whatever_the_arrival_order(store)
         ids = {}
         for seq_id in (3, 2, 4, 1):
             ids[seq_id] = await scheduler.submit_training(
-                request_id=f"r{seq_id}", request_type="ForwardBackward", model_id="s:train:0", seq_id=seq_id,
+                owner="o", request_id=f"r{seq_id}", request_type="ForwardBackward", model_id="s:train:0", seq_id=seq_id,
                 payload_hash=str(seq_id), work=_recording_work(log, f"seq{seq_id}"))
-        results = [await scheduler.retrieve(ids[s], timeout=10) for s in (1, 2, 3, 4)]
+        results = [await scheduler.retrieve(ids[s], timeout=10, owner="o") for s in (1, 2, 3, 4)]
         scheduler.close()
         return log, results
 
@@ -62,14 +63,16 @@ def test_a_retry_gets_the_original_request_and_runs_once_while_a_changed_payload
     async def scenario():
         scheduler = await _created_scheduler(store)
         log = []
-        first = await scheduler.submit_training(request_id="a", request_type="OptimStep", model_id="s:train:0",
+        first = await scheduler.submit_training(owner="o",
+                                                request_id="a", request_type="OptimStep", model_id="s:train:0",
                                                 seq_id=1, payload_hash="h", work=_recording_work(log, "step"))
-        retry = await scheduler.submit_training(request_id="b", request_type="OptimStep", model_id="s:train:0",
+        retry = await scheduler.submit_training(owner="o",
+                                                request_id="b", request_type="OptimStep", model_id="s:train:0",
                                                 seq_id=1, payload_hash="h", work=_recording_work(log, "step"))
         with pytest.raises(Conflict):
-            await scheduler.submit_training(request_id="c", request_type="OptimStep", model_id="s:train:0",
+            await scheduler.submit_training(owner="o", request_id="c", request_type="OptimStep", model_id="s:train:0",
                                             seq_id=1, payload_hash="other", work=_recording_work(log, "step"))
-        await scheduler.retrieve(first, timeout=10)
+        await scheduler.retrieve(first, timeout=10, owner="o")
         scheduler.close()
         return first, retry, log
 
@@ -87,19 +90,21 @@ def test_a_failing_request_fails_its_future_and_the_next_one_still_runs(store):
     async def scenario():
         scheduler = await _created_scheduler(store)
         log = []
-        await scheduler.submit_training(request_id="r1", request_type="X", model_id="s:train:0", seq_id=1,
+        await scheduler.submit_training(owner="o", request_id="r1", request_type="X", model_id="s:train:0", seq_id=1,
                                         payload_hash="1", work=bad)
-        await scheduler.submit_training(request_id="r2", request_type="X", model_id="s:train:0", seq_id=2,
+        await scheduler.submit_training(owner="o", request_id="r2", request_type="X", model_id="s:train:0", seq_id=2,
                                         payload_hash="2", work=crash)
-        await scheduler.submit_training(request_id="r3", request_type="X", model_id="s:train:0", seq_id=3,
+        await scheduler.submit_training(owner="o", request_id="r3", request_type="X", model_id="s:train:0", seq_id=3,
                                         payload_hash="3", work=_recording_work(log, "ok"))
-        records = [await scheduler.retrieve(r, timeout=10) for r in ("r1", "r2", "r3")]
+        records = [await scheduler.retrieve(r, timeout=10, owner="o") for r in ("r1", "r2", "r3")]
         scheduler.close()
         return records
 
     user_error, server_error, ok = asyncio.run(scenario())
     assert (user_error.status, user_error.error, user_error.error_category) == ("failed", "bad datum", "user")
-    assert server_error.error_category == "server" and "boom" in server_error.error
+    # An internal error names its type and the request id the server log has the details under.
+    assert server_error.error_category == "server" and "RuntimeError" in server_error.error
+    assert "r2" in server_error.error and "boom" not in server_error.error
     assert ok.status == "complete"
 
 
@@ -112,14 +117,15 @@ def test_sampling_does_not_wait_behind_training(store):
 
     async def scenario():
         scheduler = await _created_scheduler(store)
-        training = await scheduler.submit_training(request_id="t", request_type="X", model_id="s:train:0",
+        training = await scheduler.submit_training(owner="o", request_id="t", request_type="X", model_id="s:train:0",
                                                    seq_id=1, payload_hash="t", work=slow_training)
-        sample = await scheduler.submit_sampling(request_id="smp", sampling_session_id="s:sample:0", seq_id=0,
+        sample = await scheduler.submit_sampling(owner="o",
+                                                 request_id="smp", sampling_session_id="s:sample:0", seq_id=0,
                                                  payload_hash="x", work=lambda: (b"sampled", "text/plain"))
-        sampled = await scheduler.retrieve(sample, timeout=5)
-        still_training = await scheduler.retrieve(training, timeout=0.1)
+        sampled = await scheduler.retrieve(sample, timeout=5, owner="o")
+        still_training = await scheduler.retrieve(training, timeout=0.1, owner="o")
         release.set()
-        trained = await scheduler.retrieve(training, timeout=10)
+        trained = await scheduler.retrieve(training, timeout=10, owner="o")
         scheduler.close()
         return sampled, still_training, trained
 
@@ -130,9 +136,9 @@ def test_sampling_does_not_wait_behind_training(store):
 def test_requests_of_a_model_not_created_since_start_fail_at_once_instead_of_waiting(store):
     async def scenario():
         scheduler = Scheduler(store)
-        request_id = await scheduler.submit_training(request_id="r5", request_type="X", model_id="s:train:0",
+        request_id = await scheduler.submit_training(owner="o", request_id="r5", request_type="X", model_id="s:train:0",
                                                      seq_id=5, payload_hash="5", work=lambda: (b"", "text/plain"))
-        record = await scheduler.retrieve(request_id, timeout=10)
+        record = await scheduler.retrieve(request_id, timeout=10, owner="o")
         scheduler.close()
         return record
 
@@ -145,14 +151,17 @@ def test_retiring_a_model_fails_its_waiting_requests_and_cleans_up_after_its_run
 
     async def scenario():
         scheduler = await _created_scheduler(store)
-        running = await scheduler.submit_training(request_id="r1", request_type="X", model_id="s:train:0", seq_id=1,
+        running = await scheduler.submit_training(owner="o",
+                                                  request_id="r1", request_type="X", model_id="s:train:0", seq_id=1,
                                                   payload_hash="1", work=_recording_work(log, "seq1", delay=0.2))
-        waiting = await scheduler.submit_training(request_id="r3", request_type="X", model_id="s:train:0", seq_id=3,
+        waiting = await scheduler.submit_training(owner="o",
+                                                  request_id="r3", request_type="X", model_id="s:train:0", seq_id=3,
                                                   payload_hash="3", work=_recording_work(log, "seq3"))
         scheduler.retire_model("s:train:0", lambda: log.append("cleanup"))
-        later = await scheduler.submit_training(request_id="r2", request_type="X", model_id="s:train:0", seq_id=2,
+        later = await scheduler.submit_training(owner="o",
+                                                request_id="r2", request_type="X", model_id="s:train:0", seq_id=2,
                                                 payload_hash="2", work=_recording_work(log, "seq2"))
-        records = [await scheduler.retrieve(r, timeout=10) for r in (running, waiting, later)]
+        records = [await scheduler.retrieve(r, timeout=10, owner="o") for r in (running, waiting, later)]
         scheduler.close()
         return records
 
