@@ -214,10 +214,10 @@ class Scheduler:
         """Accept no more work, fail what is queued, give running requests `timeout` seconds, fail the rest."""
         self._closing = True
         stopping = ShuttingDown("the server shut down before this request ran; send it again once it is back")
-        for model_id in list(self._queues):
-            for entry in self._queues.pop(model_id).waiting.values():
-                if entry is not None:
-                    self._record(entry[0], _failure(entry[0], stopping))
+        never_dispatched = [entry[0] for model_id in list(self._queues)
+                            for entry in self._queues.pop(model_id).waiting.values() if entry is not None]
+        for request_id in never_dispatched:
+            self._record(request_id, _failure(request_id, stopping))
         for executor in (self._training, self._sampling):
             executor.shutdown(wait=False, cancel_futures=True)
         dispatched = dict(self._dispatched)
@@ -232,7 +232,8 @@ class Scheduler:
             if future in not_done:
                 self._record(request_id, _failure(request_id, interrupted))
         self._flush_unjournaled()
-        return ShutdownReport(finished=len(done), cancelled=len(cancelled), interrupted=len(not_done))
+        return ShutdownReport(finished=len(done), cancelled=len(never_dispatched) + len(cancelled),
+                              interrupted=len(not_done))
 
     async def _read(self, request_id: str) -> FutureRecord:
         record = await asyncio.to_thread(self.store.get_future, request_id)

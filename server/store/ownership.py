@@ -65,5 +65,7 @@ class Ownership:
             handle.close()
         self._files.clear()
         if self._connection is not None:
+            # The connection goes back to the pool with its session, so let go of the lock explicitly.
+            self._connection.invalidate()
             self._connection.close()
             self._connection = None

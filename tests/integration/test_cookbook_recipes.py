@@ -22,7 +22,7 @@ import tinker
 import tinker_cookbook
 
 from cookbook_data import write_caltech101, write_hh_rlhf
-from support.live_server import API_KEY, LiveServer, start_server
+from support.live_server import LiveServer, start_server
 from server.models.tiny import ensure_builtin_model
 
 TEXT_MODEL = "Qwen/Qwen3-8B"  # model_info: renderer qwen3; served by the tiny qwen3
@@ -67,7 +67,7 @@ def vision_workdir(workdir: Path, models_dir: Path) -> Path:
 
 def run_recipe(server: LiveServer, workdir: Path, module: str, *args: str) -> str:
     """Run `python -m tinker_cookbook.recipes.<module> args...` as a user would; its output, or fail with it."""
-    env = dict(os.environ, TINKER_BASE_URL=server.url, TINKER_API_KEY=API_KEY, TINKER_TELEMETRY="0",
+    env = dict(os.environ, TINKER_BASE_URL=server.url, TINKER_API_KEY=server.api_key, TINKER_TELEMETRY="0",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(workdir / "hf-home"),
                TINKER_COOKBOOK_RUNS_DIR=str(workdir / "runs"))
     done = subprocess.run([sys.executable, "-m", f"tinker_cookbook.recipes.{module}", *args], cwd=workdir, env=env,
@@ -116,7 +116,7 @@ def test_chat_sl_learns_the_example_conversations_and_resumes_from_its_checkpoin
     records = read_jsonl(log / "checkpoints.jsonl")
     assert records[-1]["name"] == "final" and records[-1]["epoch"] == 2
     # The resumed run keeps the renderer name the recipe gave it, for the next resume or eval.
-    rest = tinker.RestClient(base_url=text_server.url, api_key=API_KEY)
+    rest = tinker.RestClient(base_url=text_server.url, api_key=text_server.api_key)
     assert rest.get_training_run_by_tinker_path(records[-1]["state_path"]).result().user_metadata == \
         {"renderer_name": "qwen3"}
 

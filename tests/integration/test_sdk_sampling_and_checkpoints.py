@@ -155,7 +155,7 @@ def test_rest_listings_and_checkpoint_deletion(service_client, trained):
 
 def test_another_tenant_sees_nothing(server, trained):
     tc, tokenizer, data = trained
-    stranger = server.service_client(api_key="tml-someone-else").create_rest_client()
+    stranger = server.service_client(api_key=server.create_key("someone-else")).create_rest_client()
     assert tc.model_id not in [r.training_run_id for r in stranger.list_training_runs().result().training_runs]
     with pytest.raises(Exception, match="404"):
         stranger.list_checkpoints(tc.model_id).result()
