@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 
 from server.api import futures, models, operations, rest, sampling, sessions, training, weights
 from server.api.deps import Services, authenticate, journal_refusal
@@ -239,13 +240,18 @@ def create_app(config: ServerConfig) -> FastAPI:
         await journal_refusal(request, refusal)
         return respond(request, refusal)
 
+    @app.exception_handler(OSError)
+    @app.exception_handler(SQLAlchemyError)
+    async def storage_error(request: Request, error: Exception) -> JSONResponse:
+        failure = storage_failure(error, "handle this request")
+        logger.warning("event=request_failed route=%s error=%r", request.url.path, str(failure))
+        await journal_refusal(request, failure)
+        return respond(request, failure)
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception) -> JSONResponse:
-        if isinstance(error, OSError) or type(error).__module__.startswith("sqlalchemy"):
-            failure = storage_failure(error, "handle this request")
-        else:
-            logger.error("event=request_failed route=%s", request.url.path, exc_info=error)
-            failure = TinkerServerError(f"internal error ({type(error).__name__}); the server log has the details")
+        logger.error("event=request_failed route=%s", request.url.path, exc_info=error)
+        failure = TinkerServerError(f"internal error ({type(error).__name__}); the server log has the details")
         await journal_refusal(request, failure)
         return respond(request, failure)
 

@@ -11,12 +11,11 @@ import zlib
 import httpx
 import zstandard
 from PIL import Image
-from tinker import types
-from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from conftest import GAP_SECONDS, rss_mib
 from server.wire import tinker_public_pb2 as pb
 from support.live_server import BASE_MODEL, LiveServer
+from support.raw_run import RawRun
 
 ROUNDS = 3
 
@@ -44,50 +43,13 @@ def _png_header_only(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + struct.pack(">I", len(ihdr)) + chunk + struct.pack(">I", zlib.crc32(chunk))
 
 
-class Run:
-    """A training run driven by raw HTTP, so the test chooses every seq_id."""
-
-    def __init__(self, http: httpx.Client):
-        self.http = http
-        session = http.post("/api/v1/create_session", json={}).json()["session_id"]
-        created = http.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
-                                                           "base_model": BASE_MODEL, "lora_config": {"rank": 4}})
-        self.model_id = self.result(created.json()["request_id"])["model_id"]
-        self.seq_id = 0
-
-    def result(self, request_id: str) -> dict | bytes:
-        while (poll := self.http.post("/api/v1/retrieve_future", json={"request_id": request_id})).status_code == 408:
-            pass
-        assert poll.status_code == 200, poll.text
-        return poll.json() if poll.headers["content-type"].startswith("application/json") else poll.content
-
-    def forward_body(self, seq_id: int, chunks: list | None = None) -> bytes:
-        tokens = [5, 6, 7, 8]
-        data = [types.Datum(model_input=types.ModelInput.from_ints(tokens),
-                            loss_fn_inputs={"target_tokens": tokens, "weights": [1.0] * 4})]
-        message = pb.ForwardBackwardRequest.FromString(forward_backward_request_to_proto(types.ForwardBackwardRequest(
-            forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
-            model_id=self.model_id, seq_id=seq_id)).SerializeToString())
-        for chunk in chunks or []:
-            message.data[0].model_input.append(chunk)
-        return message.SerializeToString()
-
-    def forward(self, content: bytes, encoding: str | None = None) -> httpx.Response:
-        headers = {"Content-Type": "application/x-protobuf", **({"Content-Encoding": encoding} if encoding else {})}
-        return self.http.post("/api/v1/forward_backward", content=content, headers=headers)
-
-    def next_seq_id(self) -> int:
-        self.seq_id += 1
-        return self.seq_id
-
-
 def _image_chunk(data: bytes, image_format: str = "png") -> pb.Chunk:
     chunk = pb.Chunk()
     chunk.image.data, chunk.image.format, chunk.image.expected_tokens = data, image_format, 4
     return chunk
 
 
-def malformed_training_bodies(run: Run, seq_id: int) -> list[tuple[str, bytes, str | None]]:
+def malformed_training_bodies(run: RawRun, seq_id: int) -> list[tuple[str, bytes, str | None]]:
     valid = run.forward_body(seq_id)
     return [
         ("an image format other than png/jpeg", run.forward_body(seq_id, [_image_chunk(_png(), "gif")]), None),
@@ -101,7 +63,7 @@ def malformed_training_bodies(run: Run, seq_id: int) -> list[tuple[str, bytes, s
     ]
 
 
-def malformed_json_requests(run: Run) -> list[tuple[str, str, dict]]:
+def malformed_json_requests(run: RawRun) -> list[tuple[str, str, dict]]:
     prompt = {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}
     return [
         ("/api/v1/optim_step", "seq_id past 64 bits", dict(json={"model_id": run.model_id, "seq_id": 2**70,
@@ -126,7 +88,7 @@ def test_malformed_inputs_get_4xx_keep_no_memory_and_wedge_no_run(fault_server: 
     rss_after_round = []
     statuses: dict[int, int] = {}
     with httpx.Client(base_url=fault_server.url, headers=fault_server.headers(), timeout=120) as http:
-        run = Run(http)
+        run = RawRun(http)
         for _ in range(ROUNDS):
             for what, content, encoding in malformed_training_bodies(run, run.next_seq_id()):
                 if encoding == "zstd" and what.startswith("zstd that"):
@@ -153,7 +115,7 @@ def test_malformed_inputs_get_4xx_keep_no_memory_and_wedge_no_run(fault_server: 
 
 def test_a_seq_id_that_never_arrives_fails_only_the_requests_behind_it_and_the_run_goes_on(fault_server: LiveServer):
     with httpx.Client(base_url=fault_server.url, headers=fault_server.headers(), timeout=120) as http:
-        run = Run(http)
+        run = RawRun(http)
         valid = run.forward_body(1)
         unreadable = {"random bytes": bytes(range(256)) * 8, "a truncated body": valid[: len(valid) // 2],
                       "zstd with bytes after its frame": zstandard.ZstdCompressor().compress(valid) + b"junk"}
