@@ -81,8 +81,9 @@ def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
     images = ImagePreparer(base.vision.processor, config.images) if base.vision is not None else None
     render_context = RenderContext.build(base, config.limits.max_sequence_length, images)
     sampler, adapters = build_sampling_engine(config, base)
-    scheduler = Scheduler(store, sampling_workers=sampler.workers, seq_gap_timeout=config.limits.seq_gap_timeout_seconds,
-                          metrics=metrics, hidden_paths=(str(config.data_dir),))
+    scheduler = Scheduler(store, sampling_workers=sampler.workers,
+                          seq_gap_timeout=config.limits.seq_gap_timeout_seconds, metrics=metrics,
+                          hidden_paths=(str(config.data_dir),))
     return Services(config=config, store=store, scheduler=scheduler, base=base, trainer=trainer,
                     training_ranks=training_ranks, sampler=sampler, adapters=adapters, render_context=render_context,
                     sampling_renderer=VLLMRenderer(render_context), metrics=metrics, ownership=ownership)

@@ -278,8 +278,11 @@ async def journal_refusal(request: Request, error: TinkerServerError) -> None:
         if run is None or run.owner != tenant.name:
             return
         await services.scheduler.refuse_training(request_id=new_request_id(), request_type=request_type,
-                                                 owner=tenant.name, model_id=model_id, seq_id=seq_id, payload_hash=payload_hash(body),
+                                                 owner=tenant.name, model_id=model_id, seq_id=seq_id,
+                                                 payload_hash=payload_hash(body),
                                                  error=error)
+    except TinkerServerError:  # the slot holds another request already, or the server is stopping
+        pass
     except Exception:  # the client gets its refusal regardless; a gap is closed by the gap timeout
         logger.exception("could not journal the refusal of %s seq_id %s", model_id, seq_id)
 

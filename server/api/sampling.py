@@ -139,7 +139,8 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
     sampler_id = sample.sampling_session_id or f"direct:{owner}"
     seq_id = sample.seq_id
     request_id = await services.scheduler.submit_sampling(
-        request_id=new_request_id(), owner=owner, sampling_session_id=sampler_id, seq_id=seq_id, payload_hash=payload_hash(body),
+        request_id=new_request_id(), owner=owner, sampling_session_id=sampler_id, seq_id=seq_id,
+        payload_hash=payload_hash(body),
         work=work)
     sequence_ids = [f"{sampler_id}:seq:{request_id if seq_id is None else seq_id}:{i}"
                     for i in range(sample.num_samples)]

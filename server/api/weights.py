@@ -180,8 +180,8 @@ async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep)
 
             return work
 
-    request_id = await submit_training_op(services, owner=owner, model_id=model_id, seq_id=seq_id, request_type="LoadWeights",
-                                          body=body, prepare=prepare)
+    request_id = await submit_training_op(services, owner=owner, model_id=model_id, seq_id=seq_id,
+                                          request_type="LoadWeights", body=body, prepare=prepare)
     return UntypedAPIFuture(request_id=request_id, model_id=model_id)
 
 

@@ -187,9 +187,12 @@ class Scheduler:
         """Housekeeping every `interval` seconds: close stalled gaps, journal outcomes kept in memory."""
         while True:
             await asyncio.sleep(interval)
-            self.fail_stalled_gaps()
-            if self._unjournaled:
-                await asyncio.to_thread(self._flush_unjournaled)
+            try:
+                self.fail_stalled_gaps()
+                if self._unjournaled:
+                    await asyncio.to_thread(self._flush_unjournaled)
+            except Exception:  # a database hiccup must not end the loop: the next round tries again
+                logger.exception("scheduler housekeeping failed")
 
     async def retrieve(self, request_id: str, timeout: float, *, owner: str) -> FutureRecord | None:
         """The owner's finished future, or None if it is still pending after waiting up to `timeout` seconds.
@@ -300,13 +303,16 @@ class Scheduler:
         self._record(request_id, outcome)
         self._loop.call_soon_threadsafe(self._finished, request_id, model_id)
 
+    def _journal_outcome(self, request_id: str, outcome: FutureRecord) -> None:
+        if outcome.status == "complete":
+            self.store.complete_future(request_id, result=outcome.result, content_type=outcome.content_type)
+        else:
+            self.store.fail_future(request_id, error=outcome.error, category=outcome.error_category)
+
     def _record(self, request_id: str, outcome: FutureRecord) -> None:
         """Journal a finished future's outcome; if the journal cannot take it, keep it in memory."""
         try:
-            if outcome.status == "complete":
-                self.store.complete_future(request_id, result=outcome.result, content_type=outcome.content_type)
-            else:
-                self.store.fail_future(request_id, error=outcome.error, category=outcome.error_category)
+            self._journal_outcome(request_id, outcome)
         except Exception:
             logger.warning("event=journal_write_failed request_id=%s: the outcome is kept in memory until the "
                            "journal can take it", request_id, exc_info=True)
@@ -316,10 +322,7 @@ class Scheduler:
     def _flush_unjournaled(self) -> None:
         for request_id, outcome in list(self._unjournaled.items()):
             try:
-                if outcome.status == "complete":
-                    self.store.complete_future(request_id, result=outcome.result, content_type=outcome.content_type)
-                else:
-                    self.store.fail_future(request_id, error=outcome.error, category=outcome.error_category)
+                self._journal_outcome(request_id, outcome)
             except Exception:
                 return  # still full: try again on the next round
             del self._unjournaled[request_id]

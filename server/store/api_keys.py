@@ -27,7 +27,8 @@ def validate_tenant_name(tenant: str) -> str:
     return tenant
 
 
-def issue_api_key(store: Store, tenant: str, *, admin: bool = False, label: str | None = None) -> tuple[str, ApiKeyRecord]:
+def issue_api_key(store: Store, tenant: str, *, admin: bool = False,
+                  label: str | None = None) -> tuple[str, ApiKeyRecord]:
     """Create a key for `tenant`; returns the key itself (shown once, never stored) and its record."""
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     record = ApiKeyRecord(key_id="key-" + secrets.token_hex(4), key_hash=hash_api_key(key),

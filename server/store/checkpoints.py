@@ -77,7 +77,8 @@ def sweep_unlisted_versions(checkpoint_dir: Path, listed_directories: set[str]) 
     swept = 0
     for version in checkpoint_dir.glob("*/*/*/v-*"):
         name_directory = version.parent
-        if version.is_dir() and str(version) not in listed_directories and str(name_directory) not in listed_directories:
+        listed = str(version) in listed_directories or str(name_directory) in listed_directories
+        if version.is_dir() and not listed:
             remove_checkpoint_files(version, checkpoint_dir)
             swept += 1
     return swept

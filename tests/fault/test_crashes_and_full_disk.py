@@ -24,7 +24,9 @@ KILLS = 3
 
 
 def _journal_path(server: LiveServer) -> Path:
-    return Path(server.database_url.removeprefix("sqlite:///")) if server.database_url else server.data_dir / "server.db"
+    if server.database_url:
+        return Path(server.database_url.removeprefix("sqlite:///"))
+    return server.data_dir / "server.db"
 
 
 def _pending_futures(server: LiveServer) -> int:
@@ -99,7 +101,8 @@ def test_a_second_server_on_the_same_data_directory_refuses_to_start_and_the_fir
                              "--data-dir", str(fault_server.data_dir)], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=300, env=dict(os.environ, TINKER_TELEMETRY="0"))
     assert second.returncode != 0
-    assert f"another server (pid {fault_server.process.pid}) already uses the data directory" in second.stdout + second.stderr
+    refusal = f"another server (pid {fault_server.process.pid}) already uses the data directory"
+    assert refusal in second.stdout + second.stderr
     tc = fault_server.service_client().create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
     data = [supervised_datum(tc.get_tokenizer(), SENTENCES[1])]
     assert tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] > 0

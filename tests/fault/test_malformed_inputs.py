@@ -80,7 +80,8 @@ def malformed_json_requests(run: RawRun) -> list[tuple[str, str, dict]]:
                                                      "sampling_params": {"max_tokens": 1, "seed": 2**70}})),
         ("/api/v1/create_session", "JSON nested 100,000 deep", dict(content=b"[" * 100_000 + b"]" * 100_000,
                                                                     headers={"Content-Type": "application/json"})),
-        ("/api/v1/create_session", "not JSON", dict(content=b"\xff\xfe{", headers={"Content-Type": "application/json"})),
+        ("/api/v1/create_session", "not JSON", dict(content=b"\xff\xfe{",
+                                                    headers={"Content-Type": "application/json"})),
     ]
 
 

@@ -122,7 +122,8 @@ def test_sampler_checkpoints_load_in_peft(server, service_client, trained):
     tc, tokenizer, data = trained
     path = tc.save_weights_for_sampler("for-peft").result().path
     run_id, _, name = path.removeprefix("tinker://").split("/")
-    adapter_dir = server.data_dir / "checkpoints" / run_id / "sampler_weights" / name
+    # Each save is a version directory of its own; the one listed is the only one left.
+    (adapter_dir,) = (server.data_dir / "checkpoints" / run_id / "sampler_weights" / name).glob("v-*")
     base_dir = server.data_dir / "models" / BASE_MODEL.removeprefix("builtin:")
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), adapter_dir).eval()
     ids = prompt_of(data[0])

@@ -241,7 +241,8 @@ def test_the_gap_timeout_counts_from_when_the_run_went_idle(store):
 def test_an_outcome_the_journal_cannot_take_is_answered_from_memory_and_journaled_later(store, monkeypatch):
     async def scenario():
         scheduler = await _created_scheduler(store)
-        journal_full = sa.exc.OperationalError("UPDATE futures", {}, sqlite3.OperationalError("database or disk is full"))
+        journal_full = sa.exc.OperationalError("UPDATE futures", {},
+                                               sqlite3.OperationalError("database or disk is full"))
         original = store.complete_future
 
         def full(*args, **kwargs):
