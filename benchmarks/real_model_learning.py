@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))  # the test tiers' launcher and rec
 from server.models import smollm2  # noqa: E402
 from server.models.builtin import ensure_builtin_model  # noqa: E402
 from support.cookbook import link, read_jsonl, run_recipe  # noqa: E402
-from support.live_server import API_KEY, start_server  # noqa: E402
+from support.live_server import start_server  # noqa: E402
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 RENDERER = "qwen3_instruct"
@@ -76,7 +76,7 @@ def run_digits(server, workdir: Path, args) -> list[dict]:
          "--batch-size", str(args.digits_batch_size), "--eval-every", str(args.digits_eval_every),
          "--learning-rate", str(args.digits_learning_rate), "--held-out-fraction",
          str(args.digits_held_out_fraction)],
-        env=dict(os.environ, TINKER_API_KEY=API_KEY, TINKER_TELEMETRY="0"), capture_output=True, text=True)
+        env=dict(os.environ, TINKER_API_KEY=server.api_key, TINKER_TELEMETRY="0"), capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     (args.out / "digits.png").write_bytes((log / "metrics.png").read_bytes())
     return read_jsonl(log / "metrics.jsonl")

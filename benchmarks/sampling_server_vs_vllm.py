@@ -41,7 +41,6 @@ from server.sampling.vllm_process import ServedModel, vllm_command, vllm_environ
 from tests.support.live_server import start_server  # noqa: E402
 
 BASE_NAME = "bench/Qwen3-VL-{shape}"
-API_KEY = "tml-benchmark"
 RANK = 32  # Tinker's default LoraConfig (train_attn, train_mlp and train_unembed on)
 SAMPLING, SCORING = "RL sampling", "scoring (compute_logprobs)"
 
@@ -140,7 +139,7 @@ def run_server(args, model_dir: Path, server_flags: list[str], prompts: list[dic
     base_model = BASE_NAME.format(shape=args.shape)
     server = start_server(data_dir, None, None, *server_flags, base_model=base_model, startup_seconds=1800)
     try:
-        service = tinker.ServiceClient(base_url=server.url, api_key=API_KEY)
+        service = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
         samplers, directories = [], []
         for run in range(args.runs):
             tc = service.create_lora_training_client(base_model=base_model, rank=RANK, seed=run).result()

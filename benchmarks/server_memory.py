@@ -74,11 +74,10 @@ def main() -> None:
     server = start_server(work_dir, None, None, "--image-cache-mb", str(args.image_cache_mb),
                           "--feature-cache-mb", str(args.feature_cache_mb), base_model=base_model,
                           startup_seconds=900)
-    url = server.url
     rows = []
     requests = 0
     try:
-        service = tinker.ServiceClient(base_url=url, api_key="tml-memory")
+        service = server.service_client()
         training = service.create_lora_training_client(base_model=base_model, rank=8, seed=0).result()
         prompts = Prompts(training, args.image_size)
         params = types.SamplingParams(max_tokens=8, temperature=1.0)
@@ -98,7 +97,7 @@ def main() -> None:
             requests += 6
             if index % 10 == 9:
                 training.save_weights_for_sampler(f"round-{index}").result()
-                other = tinker.ServiceClient(base_url=url, api_key=f"tml-tenant-{index}")
+                other = server.service_client(api_key=server.create_key(f"tenant-{index}"))
                 other.create_lora_training_client(base_model=base_model, rank=4).result() \
                     .forward_backward([datum], "cross_entropy").result()
                 other.close("success").result()  # ends its session: the server unloads its run

@@ -64,7 +64,6 @@ SHAPES = {
                  tie_word_embeddings=True),
 }
 BASE_NAME = "bench/Qwen3-VL-{shape}"
-API_KEY = "tml-benchmark"
 ADAM = AdamParams(learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8)
 
 
@@ -259,7 +258,6 @@ def profile_step(step) -> None:
 
 
 def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str, dict]:
-    import tinker
     from tinker import types
 
     data_dir = args.work_dir / f"server-{shape}"
@@ -271,9 +269,8 @@ def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str,
         command.append("--compile")
     server = start_server(data_dir, None, None, *command, base_model=BASE_NAME.format(shape=shape),
                           startup_seconds=900)
-    url = server.url
     try:
-        service = tinker.ServiceClient(base_url=url, api_key=API_KEY)
+        service = server.service_client()
         results = {}
         for variant in variants:
             tc = service.create_lora_training_client(base_model=BASE_NAME.format(shape=shape), rank=args.rank,

@@ -1,30 +1,40 @@
 """The FastAPI app: builds the services (store, model, trainer, sampler, scheduler) and maps errors.
 
-`create_app(config)` is all a caller needs; the lifespan loads the model before the first request
-is served and closes everything on shutdown. The one error handler turns `TinkerServerError` (and
-request validation errors) into a 4xx/5xx with a body that says what is wrong.
+`create_app(config)` is all a caller needs; the lifespan takes the data directory (one server per
+data directory and database), loads the model before the first request is served, prints the
+first API key once, and on shutdown stops taking work and ends every future within a bounded time.
+The error handlers turn `TinkerServerError`, validation errors and anything unexpected into a
+4xx/5xx with a body that says what is wrong (never a server path), and give a refused training
+request its seq_id so its run goes on.
 """
 
 import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 
-from server.api import checkpoints, futures, models, rest, sampling, sessions, training, weights
-from server.api.deps import Services
+from server.api import checkpoints, futures, models, operations, rest, sampling, sessions, training, weights
+from server.api.deps import Services, authenticate, journal_refusal
 from server.config import ServerConfig
-from server.errors import Conflict, TinkerServerError
+from server.errors import Conflict, InvalidRequest, TinkerServerError, without_server_paths
+from server.metrics import ServerMetrics
 from server.rendering.chunks import RenderContext
 from server.rendering.images import ImagePreparer
 from server.rendering.sampling import VLLMRenderer
 from server.sampling.engine import build_sampling_engine
 from server.scheduler.scheduler import Scheduler
+from server.store.api_keys import BOOTSTRAP_TENANT, issue_api_key
+from server.store.checkpoints import sweep_unlisted_versions
+from server.store.db import storage_failure
 from server.store.exports import Signer
+from server.store.ownership import AlreadyServed, Ownership
 from server.store.retention import CheckpointPins
 from server.store.store import Store
 from server.training.parallel import free_port, init_training_group
@@ -36,13 +46,22 @@ logger = logging.getLogger(__name__)
 RETENTION_INTERVAL_SECONDS = 600.0
 
 
-def build_services(config: ServerConfig) -> Services:
-    """Open the journal, load the base model and wire the engines together."""
+def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
+    """Take the data directory, open the journal, load the base model and wire the engines together."""
     config.data_dir.mkdir(parents=True, exist_ok=True)
     store = Store(config.store.database_url)
+    try:
+        ownership = Ownership(config.data_dir, store.engine)
+    except AlreadyServed:
+        store.close()
+        raise
+    # Only now, as the one owner: a second server must never fail the first one's running requests.
     abandoned = store.fail_pending_futures("the server restarted before this request finished; send it again")
     if abandoned:
         logger.warning("%d requests were pending at the last shutdown and are marked failed", abandoned)
+    swept = sweep_unlisted_versions(config.store.checkpoint_dir, store.checkpoint_directories())
+    if swept:
+        logger.info("event=checkpoint_leftovers_removed count=%d (saves a stop cut short)", swept)
     # Training ranks 1.. are processes of their own; this process is rank 0. The trainer's copy of the
     # base model is sharded (FSDP2) and driven by the training thread alone, so sampling gets its own.
     if config.trainer.master_port == 0:
@@ -51,16 +70,21 @@ def build_services(config: ServerConfig) -> Services:
     trainer_config = config.trainer
     group = init_training_group(0, trainer_config.world_size, config.model.device_type, trainer_config.master_addr,
                                 trainer_config.master_port)
+    started = time.perf_counter()
     trainer = build_trainer(config, group)
     base = trainer.base  # what requests need to know of the model: name, tokenizer, vocabulary, vision
+    logger.info("event=model_loaded base_model=%s device=%s dtype=%s ranks=%d seconds=%.1f", base.name,
+                config.model.device, config.model.dtype, trainer_config.world_size, time.perf_counter() - started)
     images = ImagePreparer(base.vision.processor, config.images) if base.vision is not None else None
     render_context = RenderContext.build(base, config.limits.max_sequence_length, images)
     sampler, adapters = build_sampling_engine(config.sampler, config.model, config.images.feature_cache_bytes, base,
                                               config.data_dir)
-    return Services(config=config, store=store,
-                    scheduler=Scheduler(store, sampling_workers=sampler.max_concurrent_requests),
-                    base=base, trainer=trainer, training_ranks=training_ranks, sampler=sampler, adapters=adapters,
-                    render_context=render_context, sampling_renderer=VLLMRenderer(render_context),
+    scheduler = Scheduler(store, sampling_workers=sampler.max_concurrent_requests,
+                          seq_gap_timeout=config.limits.seq_gap_timeout_seconds, metrics=metrics,
+                          hidden_paths=(str(config.data_dir),))
+    return Services(config=config, store=store, scheduler=scheduler, base=base, trainer=trainer,
+                    training_ranks=training_ranks, sampler=sampler, adapters=adapters, render_context=render_context,
+                    sampling_renderer=VLLMRenderer(render_context), metrics=metrics, ownership=ownership,
                     checkpoint_pins=CheckpointPins(), signer=Signer.from_data_dir(config.data_dir))
 
 
@@ -98,46 +122,129 @@ async def _checkpoint_sweep_loop(services: Services) -> None:
             logger.exception("could not delete expired checkpoints")
 
 
-def _error_body(message: str, category: str) -> dict:
-    # `detail` is what FastAPI clients expect; `error`/`category` mirror a failed future.
-    return {"detail": message, "error": message, "category": category}
+def _bootstrap_banner(services: Services) -> str | None:
+    """On a first start with keys on, issue an admin key for the default tenant; the banner shows it once."""
+    config = services.config
+    if config.auth != "keys" or services.store.has_api_keys():
+        return None
+    key, record = issue_api_key(services.store, BOOTSTRAP_TENANT, admin=True, label="bootstrap")
+    url = f"http://{config.host}:{config.port}"
+    return "\n".join([
+        "=" * 78,
+        f"  Serving {services.base.name} at {url}",
+        f"  API key of tenant {record.tenant!r} (admin), shown only this once (only its hash is stored):",
+        f"      {key}",
+        f"  Use it:     export TINKER_BASE_URL={url} TINKER_API_KEY={key}",
+        "  More keys:  python -m server keys create --tenant NAME   (list, revoke: python -m server keys -h)",
+        "=" * 78])
+
+
+class RequestMetrics:
+    """ASGI middleware counting every HTTP request by route template, method and status."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.http_requests.labels(route, scope["method"], str(status[0])).inc()
 
 
 def create_app(config: ServerConfig) -> FastAPI:
+    metrics = ServerMetrics()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        services = await asyncio.to_thread(build_services, config)
+        try:
+            services = await asyncio.to_thread(build_services, config, metrics)
+        except AlreadyServed as error:
+            logger.error("event=start_refused reason=%r", str(error))
+            raise
         app.state.services = services
+        gap_check_seconds = max(0.2, min(5.0, config.limits.seq_gap_timeout_seconds / 4))
         housekeeping = [asyncio.create_task(_retention_loop(services)),
                         asyncio.create_task(_session_expiry_loop(services)),
-                        asyncio.create_task(_checkpoint_sweep_loop(services))]
-        logger.info("serving %s from %s", services.base.name, services.base.path)
+                        asyncio.create_task(_checkpoint_sweep_loop(services)),
+                        asyncio.create_task(services.scheduler.watch(gap_check_seconds))]
+        banner = await asyncio.to_thread(_bootstrap_banner, services)
+        if banner:
+            print(banner, flush=True)
+        logger.info("event=server_start base_model=%s model_path=%s host=%s port=%d auth=%s database=%s sampler=%s",
+                    services.base.name, services.base.path, config.host, config.port, config.auth,
+                    services.store.engine.url.get_backend_name(), config.sampler.engine)
         try:
             yield
         finally:
+            logger.info("event=shutdown_started timeout_seconds=%g", config.shutdown_timeout_seconds)
+            started = time.perf_counter()
             for task in housekeeping:
                 task.cancel()
-            services.scheduler.close()
+            report = services.scheduler.close(config.shutdown_timeout_seconds)
+            app.state.abandoned_threads = report.interrupted > 0
             services.sampler.close()
-            services.trainer.stop_followers()
-            for process in services.training_ranks:
-                process.join(timeout=30)
+            if not report.interrupted:  # the training thread is free to tell the other ranks to stop
+                services.trainer.stop_followers()
+                for process in services.training_ranks:
+                    process.join(timeout=30)
+            services.ownership.release()
             services.store.close()
+            logger.info("event=shutdown finished_running=%d failed_queued=%d failed_running=%d seconds=%.1f",
+                        report.finished, report.cancelled, report.interrupted, time.perf_counter() - started)
 
-    app = FastAPI(title="Tinker-compatible training service", lifespan=lifespan)
-    for module in (sessions, models, training, weights, sampling, futures, rest, checkpoints):
-        app.include_router(module.router)
+    app = FastAPI(title="Tinker-compatible training service", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.add_middleware(RequestMetrics, metrics=metrics)
+    app.include_router(operations.public_router)
+    app.include_router(checkpoints.public_router)
+    for module in (sessions, models, training, weights, sampling, futures, rest, checkpoints, operations):
+        app.include_router(module.router, dependencies=[Depends(authenticate)])
+
+    def respond(request: Request, error: TinkerServerError) -> JSONResponse:
+        message = without_server_paths(str(error), config.data_dir)
+        # The SDK retries 409s for minutes; a conflicting seq_id never succeeds, so say so.
+        headers = {"x-should-retry": "false"} if isinstance(error, Conflict) else None
+        body = {"detail": message, "error": message, "category": error.category}  # also a failed future's shape
+        return JSONResponse(body, status_code=error.status_code, headers=headers)
 
     @app.exception_handler(TinkerServerError)
     async def server_error(request: Request, error: TinkerServerError) -> JSONResponse:
-        # The SDK retries 409s for minutes; a conflicting seq_id never succeeds, so say so.
-        headers = {"x-should-retry": "false"} if isinstance(error, Conflict) else None
-        return JSONResponse(_error_body(str(error), error.category), status_code=error.status_code, headers=headers)
+        await journal_refusal(request, error)
+        return respond(request, error)
 
     @app.exception_handler(RequestValidationError)
     @app.exception_handler(ValidationError)
     async def invalid_body(request: Request, error: ValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
-        return JSONResponse(_error_body(f"invalid request: {problems}", "user"), status_code=400)
+        refusal = InvalidRequest(f"invalid request: {problems}")
+        await journal_refusal(request, refusal)
+        return respond(request, refusal)
+
+    @app.exception_handler(OSError)
+    @app.exception_handler(SQLAlchemyError)
+    async def storage_error(request: Request, error: Exception) -> JSONResponse:
+        failure = storage_failure(error, "handle this request")
+        logger.warning("event=request_failed route=%s error=%r", request.url.path, str(failure))
+        await journal_refusal(request, failure)
+        return respond(request, failure)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception) -> JSONResponse:
+        logger.error("event=request_failed route=%s", request.url.path, exc_info=error)
+        failure = TinkerServerError(f"internal error ({type(error).__name__}); the server log has the details")
+        await journal_refusal(request, failure)
+        return respond(request, failure)
 
     return app
+

@@ -4,7 +4,10 @@ Only this module reads `os.environ`. Every component receives its own sub-config
 nothing re-reads flags later.
 """
 
+from __future__ import annotations
+
 import argparse
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +157,8 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
+    """What one request or one tenant may ask for; each refusal is a 400 that names its limit."""
+
     max_sequence_length: int = 32768
     """Longest rendered sequence accepted for training or sampling."""
     max_request_bytes: int = 256 * 1024 * 1024
@@ -163,10 +168,23 @@ class LimitsConfig:
     session_timeout_seconds: float = 600.0
     """A session without a heartbeat for this long is finished and its runs leave memory (the SDK
     heartbeats every 10 s; a client that exits without closing its ServiceClient stops)."""
+    max_lora_rank: int = 128
+    """Largest LoRA rank a training run may ask for."""
+    max_sampled_tokens_per_request: int = 65536
+    """num_samples x max_tokens of one sampling request, so one request cannot hold the sampler for long."""
+    max_runs_per_tenant: int = 64
+    """Training runs a tenant may keep in memory at once (runs of open sessions)."""
+    max_stored_bytes_per_tenant: int = 100 << 30
+    """Bytes of checkpoint files a tenant may keep."""
+    seq_gap_timeout_seconds: float = 120.0
+    """A run whose next seq_id has not arrived this long after it went idle fails the requests queued
+    behind the gap (the SDK sends a call's chunks at once; a missing one was refused unreadable or lost)."""
 
     def __post_init__(self):
-        if self.session_timeout_seconds <= 0:
-            raise ValueError(f"session_timeout_seconds must be positive, got {self.session_timeout_seconds}")
+        for name in ("session_timeout_seconds", "seq_gap_timeout_seconds", "max_lora_rank",
+                     "max_sampled_tokens_per_request", "max_runs_per_tenant", "max_stored_bytes_per_tenant"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -205,6 +223,26 @@ class ServerConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     images: ImageConfig = field(default_factory=ImageConfig)
     client: ClientFlagsConfig = field(default_factory=ClientFlagsConfig)
+    auth: str = "keys"
+    """keys (every route but healthz needs an issued API key) or none (one tenant, loopback only)."""
+    shutdown_timeout_seconds: float = 30.0
+    """On SIGTERM, running requests get this long to finish; then they are failed and the server exits."""
+
+    def __post_init__(self):
+        if self.auth not in ("keys", "none"):
+            raise ValueError(f"auth must be keys or none, got {self.auth!r}")
+        if self.auth == "none" and not is_loopback(self.host):
+            raise ValueError(f"--auth none would let anyone who reaches {self.host} train and read every result; "
+                             f"it is only allowed on a loopback --host (127.0.0.1, ::1, localhost)")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -215,11 +253,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-path", type=Path, default=None, help="directory holding the model's files")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--data-dir", type=Path, default=Path("./data"),
-                        help="SQLite journal, checkpoints and built-in models live here")
-    parser.add_argument("--database-url", default=None,
-                        help="SQLAlchemy URL (e.g. postgresql+psycopg://...); env TINKER_SERVER_DATABASE_URL; "
-                             "default: SQLite under --data-dir")
+    _add_store_flags(parser)
+    parser.add_argument("--auth", choices=["keys", "none"], default="keys",
+                        help="keys: every route but healthz needs an API key (`python -m server keys create`); "
+                             "none: no keys, one tenant, loopback --host only")
     parser.add_argument("--device", default="cpu", help="torch device for training and the embedded sampler")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the frozen base weights (LoRA weights and optimizer state stay float32)")
@@ -235,6 +272,20 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="seconds without a heartbeat after which a session is finished and its runs unloaded")
     parser.add_argument("--checkpoint-sweep-interval", type=float, default=StoreConfig.checkpoint_sweep_seconds,
                         help="seconds between looks for checkpoints past their TTL, which are then deleted")
+    parser.add_argument("--max-lora-rank", type=int, default=LimitsConfig.max_lora_rank,
+                        help="largest LoRA rank a training run may ask for")
+    parser.add_argument("--max-sampled-tokens-per-request", type=int,
+                        default=LimitsConfig.max_sampled_tokens_per_request,
+                        help="num_samples x max_tokens of one sampling request")
+    parser.add_argument("--max-runs-per-tenant", type=int, default=LimitsConfig.max_runs_per_tenant,
+                        help="training runs of open sessions a tenant may have at once")
+    parser.add_argument("--max-stored-gb-per-tenant", type=float,
+                        default=LimitsConfig.max_stored_bytes_per_tenant / (1 << 30),
+                        help="GiB of checkpoint files a tenant may keep")
+    parser.add_argument("--seq-gap-timeout", type=float, default=LimitsConfig.seq_gap_timeout_seconds,
+                        help="seconds a run waits for a missing seq_id before failing the requests queued behind it")
+    parser.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_seconds,
+                        help="seconds running requests get to finish on SIGTERM before they are failed")
     parser.add_argument("--gpus", type=int, default=1,
                         help="training processes on this node, one per GPU (with --device cpu: CPU processes)")
     parser.add_argument("--activation-checkpointing", action="store_true",
@@ -265,12 +316,23 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_store_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", type=Path, default=Path("./data"),
+                        help="SQLite journal, checkpoints and built-in models live here")
+    parser.add_argument("--database-url", default=None,
+                        help="SQLAlchemy URL (e.g. postgresql+psycopg://...); env TINKER_SERVER_DATABASE_URL; "
+                             "default: SQLite under --data-dir")
+
+
+def _database_url(args: argparse.Namespace, data_dir: Path) -> str:
+    return args.database_url or os.environ.get("TINKER_SERVER_DATABASE_URL") or f"sqlite:///{data_dir / 'server.db'}"
+
+
 def parse_config(argv: list[str] | None = None) -> ServerConfig:
     """Parse flags (and env for the database URL) into the settings tree."""
     args = build_arg_parser().parse_args(argv)
     data_dir = args.data_dir.resolve()
-    database_url = args.database_url or os.environ.get("TINKER_SERVER_DATABASE_URL") \
-        or f"sqlite:///{data_dir / 'server.db'}"
+    database_url = _database_url(args, data_dir)
     return ServerConfig(
         model=ModelConfig(base_model=args.base_model, model_path=args.model_path,
                           model_cache_dir=data_dir / "models", device=args.device, dtype=args.dtype),
@@ -280,7 +342,12 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         images=ImageConfig(image_root=args.image_root.resolve() if args.image_root else None,
                            decoded_cache_bytes=args.image_cache_mb << 20,
                            feature_cache_bytes=args.feature_cache_mb << 20),
-        limits=LimitsConfig(session_timeout_seconds=args.session_timeout),
+        limits=LimitsConfig(session_timeout_seconds=args.session_timeout, max_lora_rank=args.max_lora_rank,
+                            max_sampled_tokens_per_request=args.max_sampled_tokens_per_request,
+                            max_runs_per_tenant=args.max_runs_per_tenant,
+                            max_stored_bytes_per_tenant=int(args.max_stored_gb_per_tenant * (1 << 30)),
+                            seq_gap_timeout_seconds=args.seq_gap_timeout),
+        auth=args.auth, shutdown_timeout_seconds=args.shutdown_timeout,
         trainer=TrainerConfig(local_ranks=args.gpus, activation_checkpointing=args.activation_checkpointing,
                               max_tokens_per_microbatch=args.microbatch_tokens, compile=args.compile,
                               # torchrun's variables when ranks on other nodes join (see the README)
@@ -291,6 +358,45 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                               max_images_per_prompt=args.max_images_per_prompt,
                               max_batch_tokens=args.sampler_max_batch_tokens),
         client=ClientFlagsConfig(fwdbwd_max_chunk_len=args.fwdbwd_chunk_len))
+
+
+@dataclass(frozen=True)
+class KeysCommand:
+    """`python -m server keys create|list|revoke ...`: an operator's key management."""
+
+    action: str
+    database_url: str
+    data_dir: Path
+    tenant: str | None = None
+    admin: bool = False
+    label: str | None = None
+    key_id: str | None = None
+
+
+def build_keys_arg_parser() -> argparse.ArgumentParser:
+    """The CLI of `python -m server keys` (frozen by tests/unit/test_cli.py)."""
+    parser = argparse.ArgumentParser(prog="python -m server keys",
+                                     description="issue, list and revoke API keys (only their hashes are stored)")
+    actions = parser.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", help="issue a key for a tenant and print it (once)")
+    create.add_argument("--tenant", required=True, help="who the key's requests belong to")
+    create.add_argument("--admin", action="store_true", help="may also read server-wide data (/metrics)")
+    create.add_argument("--label", default=None, help="a note shown by `keys list`")
+    listing = actions.add_parser("list", help="every key: id, tenant, created, revoked")
+    listing.add_argument("--tenant", default=None, help="only this tenant's keys")
+    revoke = actions.add_parser("revoke", help="revoke a key by its id (from `keys list`)")
+    revoke.add_argument("key_id")
+    for sub in (create, listing, revoke):
+        _add_store_flags(sub)
+    return parser
+
+
+def parse_keys_command(argv: list[str]) -> KeysCommand:
+    args = build_keys_arg_parser().parse_args(argv)
+    data_dir = args.data_dir.resolve()
+    return KeysCommand(action=args.action, database_url=_database_url(args, data_dir), data_dir=data_dir,
+                       tenant=args.tenant if args.action != "revoke" else None, admin=getattr(args, "admin", False),
+                       label=getattr(args, "label", None), key_id=getattr(args, "key_id", None))
 
 
 def _vllm_config(args: argparse.Namespace) -> VLLMConfig:

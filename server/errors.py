@@ -28,7 +28,8 @@ class Unauthorized(TinkerServerError, PermissionError):
 
 
 class Forbidden(TinkerServerError, PermissionError):
-    """The caller may not do this (e.g. a download URL whose signature is wrong or expired)."""
+    """The caller may not do this: server-wide data needs an admin key; a download URL's signature is wrong or
+    expired."""
 
     status_code = 403
     category = "user"
@@ -65,3 +66,28 @@ class EngineUnavailable(TinkerServerError, ConnectionError):
     """The sampling engine (a vLLM server) is down, restarting, or gave up restarting."""
 
     status_code = 503
+
+
+class InsufficientStorage(TinkerServerError, OSError):
+    """The server's disk (or its database) is full: nothing was changed; free space and send again."""
+
+    status_code = 507
+
+
+class StorageUnavailable(TinkerServerError):
+    """The journal database or the checkpoint directory cannot be used right now; send the request again."""
+
+    status_code = 503
+
+
+class ShuttingDown(TinkerServerError):
+    """The server is stopping and accepts no more work; send the request again once it is back."""
+
+    status_code = 503
+
+
+def without_server_paths(message: str, *directories: object) -> str:
+    """A message for a client, with the server's own directories replaced by a placeholder."""
+    for directory in directories:
+        message = message.replace(str(directory), "<server>")
+    return message

@@ -35,7 +35,7 @@ from server.api.deps import (
     training_run_record,
 )
 from server.errors import Conflict, EngineUnavailable, Forbidden, InvalidRequest, NotFound, TinkerServerError
-from server.store.checkpoints import SCHEME, TinkerPath, parse_tinker_path
+from server.store.checkpoints import SCHEME, TinkerPath, parse_tinker_path, remove_checkpoint_files
 from server.store.retention import sweep_expired_checkpoints
 from server.store.store import CheckpointRecord, utcnow
 from server.wire.lifecycle import (
@@ -48,6 +48,8 @@ from server.wire.lifecycle import (
 from server.wire.types import LoraConfig
 
 router = APIRouter(prefix="/api/v1")
+public_router = APIRouter(prefix="/api/v1")
+"""Signed download URLs: the SDK fetches them with no API key, and the signature is the permission."""
 
 DOWNLOAD_URL_SECONDS = 3600
 """How long a signed download URL works (the SDK's downloaders sign again when one is about to expire)."""
@@ -70,7 +72,7 @@ async def delete_or_unpublish_checkpoint(model_id: str, checkpoint_path: str, se
     record = owned_checkpoint_of(services, _tinker_path(model_id, checkpoint_path), owner)
     services.store.delete_checkpoint(record.tinker_path)
     forget_checkpoint(services, record)
-    shutil.rmtree(record.directory, ignore_errors=True)
+    remove_checkpoint_files(Path(record.directory), services.config.store.checkpoint_dir)
     return {}
 
 
@@ -126,7 +128,7 @@ async def external_weights_urls(model_id: str, checkpoint_id: str, request: Requ
     return ExternalWeightsUrlsResponse(urls=urls, expires=datetime.fromtimestamp(expires, UTC))
 
 
-@router.get("/external_weights/{model_id}/{name}/{file_name}", name="download_external_weights")
+@public_router.get("/external_weights/{model_id}/{name}/{file_name}", name="download_external_weights")
 async def download_external_weights(model_id: str, name: str, file_name: str, services: ServicesDep,
                                     expires: Annotated[int, Query()], signature: Annotated[str, Query()]):
     """One file of an external weights checkpoint, for the holder of a signed URL (no API key)."""
@@ -205,7 +207,7 @@ def _copy(services: Services, source: CheckpointRecord, body: CopyWeightsRequest
     session_id, model_seq_id = (str(uuid.uuid4()), 0) if new_session else (body.session_id, body.model_seq_id)
     source_path = parse_tinker_path(source.tinker_path)
     target = TinkerPath(model_id_for(session_id, model_seq_id), source_path.segment, source_path.name)
-    directory = target.directory(services.config.store.checkpoint_dir)
+    directory = target.new_version_directory(services.config.store.checkpoint_dir)
     with services.checkpoint_pins.hold(source.tinker_path):
         try:
             shutil.copytree(source.directory, directory, copy_function=_link_or_copy)
@@ -241,4 +243,4 @@ def _link_or_copy(source: str, destination: str) -> None:
 async def sweep_expired(services: Services) -> list[str]:
     """Delete expired checkpoints that are not in use (the housekeeping loop's job); returns their paths."""
     return await asyncio.to_thread(sweep_expired_checkpoints, services.store, services.checkpoint_pins, utcnow(),
-                                   lambda record: forget_checkpoint(services, record))
+                                   services.config.store.checkpoint_dir, lambda record: forget_checkpoint(services, record))

@@ -7,6 +7,8 @@ import this module, never each other.
 
 import asyncio
 import hashlib
+import json
+import logging
 import multiprocessing
 import uuid
 from collections.abc import Callable
@@ -14,11 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request
+from fastapi.security import APIKeyHeader
 from pydantic import BaseModel
 
 from server.config import ServerConfig
-from server.errors import InvalidRequest, NotFound, PayloadTooLarge, TinkerServerError, Unauthorized
+from server.errors import (Conflict, Forbidden, InvalidRequest, NotFound, PayloadTooLarge, TinkerServerError,
+                           Unauthorized)
+from server.metrics import ServerMetrics
 from server.models.loading import LoadedModel
 from server.rendering.chunks import RenderContext, RenderedInput
 from server.rendering.provenance import position_keys
@@ -27,14 +32,19 @@ from server.sampling.adapters import SamplerAdapters
 from server.sampling.engine import SamplingEngine, checkpoint_adapter_name
 from server.sampling.types import SampledSequence
 from server.scheduler.scheduler import Scheduler, Work
+from server.store.api_keys import BOOTSTRAP_TENANT, hash_api_key
 from server.store.checkpoints import parse_tinker_path
-from server.store.sampled_sequences import SampledSequenceRecord
 from server.store.exports import Signer
+from server.store.ownership import Ownership
 from server.store.retention import CheckpointPins
+from server.store.sampled_sequences import SampledSequenceRecord
 from server.store.store import (CheckpointRecord, SamplingSessionRecord, SessionRecord, Store,
                                 TrainingRunRecord)
 from server.training.trainer import Trainer
-from server.wire.types import MAX_TTL_SECONDS, MIN_TTL_SECONDS, LoraConfig, OptimizerConfig
+from server.wire.proto import read_forward_backward_slot
+from server.wire.types import MAX_ID_LENGTH, MAX_SEQ_ID, LoraConfig, OptimizerConfig
+
+logger = logging.getLogger(__name__)
 
 JSON = "application/json"
 PROTOBUF = "application/x-protobuf"
@@ -57,17 +67,66 @@ class Services:
     """Checkpoints that requests of this process are loading, writing or copying (never swept meanwhile)."""
     signer: Signer
     """Signs download URLs and weights access tokens."""
+    metrics: ServerMetrics
+    ownership: Ownership
+    """This server's hold on its data directory and database, released at shutdown."""
 
 
 def get_services(request: Request) -> Services:
     return request.app.state.services
 
 
-def get_owner(x_api_key: Annotated[str | None, Header()] = None) -> str:
-    """The tenant of the caller: a stable digest of its API key (the key itself is never stored)."""
-    if not x_api_key:
-        raise Unauthorized("missing X-API-Key header")
-    return "tenant-" + hashlib.sha256(x_api_key.encode()).hexdigest()[:16]
+@dataclass(frozen=True)
+class Tenant:
+    """Whose a request is: every session, run, checkpoint and future belongs to one tenant."""
+
+    name: str
+    admin: bool = False
+    """May read server-wide data (/metrics)."""
+
+
+API_KEY_HEADER = APIKeyHeader(name="X-API-Key", auto_error=False,
+                              description="an API key issued by `python -m server keys create --tenant NAME`")
+MAX_API_KEY_LENGTH = 512
+
+
+async def authenticate(request: Request, x_api_key: Annotated[str | None, Depends(API_KEY_HEADER)]) -> Tenant:
+    """The caller's tenant from its API key (X-API-Key, or `Authorization: Bearer` for scrapers); 401 otherwise."""
+    services = get_services(request)
+    if services.config.auth == "none":
+        tenant = Tenant(BOOTSTRAP_TENANT, admin=True)
+    else:
+        key = x_api_key or _bearer_token(request.headers.get("authorization"))
+        if not key:
+            raise Unauthorized("missing X-API-Key header (an operator issues keys with "
+                               "`python -m server keys create --tenant NAME`)")
+        record = None
+        if len(key) <= MAX_API_KEY_LENGTH:
+            record = await asyncio.to_thread(services.store.find_api_key, hash_api_key(key))
+        if record is None:
+            raise Unauthorized("unknown or revoked API key")
+        tenant = Tenant(record.tenant, record.admin)
+    request.state.tenant = tenant
+    return tenant
+
+
+def _bearer_token(authorization: str | None) -> str | None:
+    scheme, _, token = (authorization or "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+TenantDep = Annotated[Tenant, Depends(authenticate)]
+
+
+def get_owner(tenant: TenantDep) -> str:
+    """The name of the caller's tenant, which owns what the caller creates."""
+    return tenant.name
+
+
+def require_admin(tenant: TenantDep) -> Tenant:
+    if not tenant.admin:
+        raise Forbidden("this needs an admin key (`python -m server keys create --tenant NAME --admin`)")
+    return tenant
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]
@@ -83,7 +142,7 @@ def payload_hash(body: bytes) -> str:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refusing to buffer more than `limit` bytes."""
+    """The raw body, refusing to buffer more than `limit` bytes (kept on the request for `journal_refusal`)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes is over the limit of {limit}")
@@ -93,7 +152,8 @@ async def read_body(request: Request, limit: int) -> bytes:
         if size > limit:
             raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
         chunks.append(chunk)
-    return b"".join(chunks)
+    request.state.body = b"".join(chunks)
+    return request.state.body
 
 
 def string_map(metadata: dict | None) -> dict[str, str]:
@@ -101,9 +161,14 @@ def string_map(metadata: dict | None) -> dict[str, str]:
     return {str(key): str(value) for key, value in (metadata or {}).items()}
 
 
+def _storable(identifier: str) -> bool:
+    # Ids in URL paths are not validated by a body model; none of ours is this long or holds NUL.
+    return len(identifier) <= MAX_ID_LENGTH and "\x00" not in identifier
+
+
 def session_of(store: Store, session_id: str, owner: str) -> SessionRecord:
     """The caller's session, or 404 (another tenant's session is not found either)."""
-    session = store.get_session(session_id)
+    session = store.get_session(session_id) if _storable(session_id) else None
     if session is None or session.owner != owner:
         raise NotFound(f"no session {session_id}")
     return session
@@ -111,7 +176,7 @@ def session_of(store: Store, session_id: str, owner: str) -> SessionRecord:
 
 def run_of(store: Store, model_id: str, owner: str) -> TrainingRunRecord:
     """The caller's training run, or 404."""
-    run = store.get_training_run(model_id)
+    run = store.get_training_run(model_id) if _storable(model_id) else None
     if run is None or run.owner != owner:
         raise NotFound(f"no model {model_id}")
     return run
@@ -120,7 +185,8 @@ def run_of(store: Store, model_id: str, owner: str) -> TrainingRunRecord:
 def checkpoint_of(services: Services, path: str, owner: str, access_token: str | None = None) -> CheckpointRecord:
     """The checkpoint behind a tinker:// path that the caller may read (load, sample, copy), or 404: its own,
     a published one, or one whose weights access token it holds."""
-    record = services.store.get_checkpoint(str(parse_tinker_path(path)))
+    tinker_path = str(parse_tinker_path(path))
+    record = services.store.get_checkpoint(tinker_path) if _storable(tinker_path) else None
     if record is not None and (record.owner == owner or record.public or (
             access_token is not None and services.signer.valid_weights_access_token(
                 access_token, record.tinker_path, record.created_at.isoformat()))):
@@ -130,7 +196,8 @@ def checkpoint_of(services: Services, path: str, owner: str, access_token: str |
 
 def owned_checkpoint_of(services: Services, path: str, owner: str) -> CheckpointRecord:
     """The caller's own checkpoint behind a tinker:// path (to publish, expire or delete it), or 404."""
-    record = services.store.get_checkpoint(str(parse_tinker_path(path)))
+    tinker_path = str(parse_tinker_path(path))
+    record = services.store.get_checkpoint(tinker_path) if _storable(tinker_path) else None
     if record is None or record.owner != owner:
         raise NotFound(f"no checkpoint {path}")
     return record
@@ -138,7 +205,7 @@ def owned_checkpoint_of(services: Services, path: str, owner: str) -> Checkpoint
 
 def sampler_of(services: Services, sampling_session_id: str, owner: str) -> SamplingSessionRecord:
     """The caller's sampling session, or 404."""
-    record = services.store.get_sampling_session(sampling_session_id)
+    record = services.store.get_sampling_session(sampling_session_id) if _storable(sampling_session_id) else None
     if record is None or record.owner != owner:
         raise NotFound(f"no sampling session {sampling_session_id}")
     return record
@@ -148,13 +215,6 @@ def check_base_model(services: Services, base_model: str | None) -> None:
     if base_model is not None and base_model != services.base.name:
         raise InvalidRequest(f"base_model {base_model!r} is not served here; this server serves "
                              f"{services.base.name!r}")
-
-
-def check_ttl(ttl_seconds: int | None) -> None:
-    """A save's ttl_seconds, in the SDK's documented range (None: the checkpoint never expires)."""
-    if ttl_seconds is not None and not MIN_TTL_SECONDS <= ttl_seconds <= MAX_TTL_SECONDS:
-        raise InvalidRequest(f"ttl_seconds must be between {MIN_TTL_SECONDS} (1 hour) and {MAX_TTL_SECONDS} "
-                             f"(10 years), got {ttl_seconds}")
 
 
 def check_optimizer(config: OptimizerConfig | None) -> None:
@@ -192,39 +252,130 @@ def ensure_sampling_session(services: Services, *, session_id: str, sampling_ses
     return sampling_session_id
 
 
-async def submit_training_op(services: Services, *, model_id: str, seq_id: int | None, request_type: str,
-                             body: bytes, prepare: Callable[[], Work]) -> str:
+async def submit_training_op(services: Services, *, owner: str, model_id: str, seq_id: int | None,
+                             request_type: str, body: bytes, prepare: Callable[[], Work]) -> str:
     """Validate (via `prepare`) and submit one training-side request in its model's seq_id order.
 
-    `prepare` runs on a worker thread, since rendering decodes images. An invalid request still
-    uses up its seq_id (as a failed future), so the model's later requests are not left waiting
-    for it; the caller then gets the 4xx at once.
+    `prepare` runs on a worker thread, since rendering decodes images. If it refuses the request,
+    the error handler's `journal_refusal` gives the refused request its seq_id.
     """
-    digest = payload_hash(body)
-    try:
-        work = await asyncio.to_thread(prepare)
-    except TinkerServerError as error:
-        if seq_id is not None:
-            await services.scheduler.submit_training(request_id=new_request_id(), request_type=request_type,
-                                                     model_id=model_id, seq_id=seq_id, payload_hash=digest,
-                                                     work=failing_work(error))
-        raise
+    work = await asyncio.to_thread(prepare)
     return await services.scheduler.submit_training(request_id=new_request_id(), request_type=request_type,
-                                                    model_id=model_id, seq_id=seq_id, payload_hash=digest,
-                                                    work=work)
+                                                    owner=owner, model_id=model_id, seq_id=seq_id,
+                                                    payload_hash=payload_hash(body), work=work)
+
+
+# Routes whose requests run in their model's seq_id order, and the request type each journals.
+SEQUENCED_ROUTES = {"/api/v1/forward_backward": "ForwardBackward", "/api/v1/optim_step": "OptimStep",
+                    "/api/v1/save_weights": "SaveWeights", "/api/v1/save_weights_for_sampler": "SaveWeightsForSampler",
+                    "/api/v1/load_weights": "LoadWeights", "/api/v1/save_weights_external": "SaveWeightsExternal"}
+
+
+async def journal_refusal(request: Request, error: TinkerServerError) -> None:
+    """Give a refused training-side request its (model_id, seq_id) slot, as a failed future.
+
+    Called by the error handler for every refusal (body validation, decoding, limits, rendering), so
+    the run's later requests, which wait for that seq_id, go on. Only the caller's own runs are
+    touched; a body whose model_id and seq_id cannot be read leaves a gap that the scheduler's gap
+    timeout closes.
+    """
+    route = request.scope.get("route")
+    request_type = SEQUENCED_ROUTES.get(getattr(route, "path", None))
+    tenant, body = getattr(request.state, "tenant", None), getattr(request.state, "body", None)
+    if request_type is None or tenant is None or body is None or isinstance(error, Conflict):
+        return
+    services = get_services(request)
+    if request_type == "ForwardBackward":
+        slot = read_forward_backward_slot(body, request.headers.get("content-encoding"))
+        if slot is not None and slot[2]:
+            request_type = "Forward"
+    else:
+        slot = _read_json_slot(body)
+    if slot is None:
+        return
+    model_id, seq_id = slot[0], slot[1]
+    try:
+        run = await asyncio.to_thread(services.store.get_training_run, model_id)
+        if run is None or run.owner != tenant.name:
+            return
+        await services.scheduler.refuse_training(request_id=new_request_id(), request_type=request_type,
+                                                 owner=tenant.name, model_id=model_id, seq_id=seq_id,
+                                                 payload_hash=payload_hash(body),
+                                                 error=error)
+    except TinkerServerError:  # the slot holds another request already, or the server is stopping
+        pass
+    except Exception:  # the client gets its refusal regardless; a gap is closed by the gap timeout
+        logger.exception("could not journal the refusal of %s seq_id %s", model_id, seq_id)
+
+
+def _read_json_slot(body: bytes) -> tuple[str, int] | None:
+    try:
+        fields = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(fields, dict):
+        return None
+    model_id, seq_id = fields.get("model_id"), fields.get("seq_id")
+    if not isinstance(model_id, str) or type(seq_id) is not int or not 1 <= seq_id <= MAX_SEQ_ID:
+        return None
+    return model_id, seq_id
+
+
+def check_lora_rank(services: Services, rank: int) -> None:
+    limit = services.config.limits.max_lora_rank
+    if rank > limit:
+        raise InvalidRequest(f"lora rank {rank} is over this server's limit of {limit} (--max-lora-rank)")
+
+
+def check_run_quota(services: Services, owner: str) -> None:
+    """A tenant keeps at most --max-runs-per-tenant runs in memory (runs of its open sessions)."""
+    limit = services.config.limits.max_runs_per_tenant
+    if services.store.count_active_training_runs(owner) >= limit:
+        raise InvalidRequest(f"tenant {owner!r} already has {limit} training runs in open sessions, the limit "
+                             f"(--max-runs-per-tenant); close a ServiceClient (its session) to free them")
+
+
+def check_storage_quota(services: Services, owner: str) -> None:
+    """A tenant keeps at most --max-stored-gb-per-tenant of checkpoint files."""
+    limit = services.config.limits.max_stored_bytes_per_tenant
+    stored = services.store.stored_checkpoint_bytes(owner)
+    if stored >= limit:
+        raise InvalidRequest(f"tenant {owner!r} stores {stored} bytes of checkpoints, at or over the limit of "
+                             f"{limit} (--max-stored-gb-per-tenant); delete checkpoints to save more")
+
+
+def check_sampled_tokens(services: Services, num_samples: int, max_tokens: int) -> None:
+    limit = services.config.limits.max_sampled_tokens_per_request
+    if num_samples * max_tokens > limit:
+        raise InvalidRequest(f"num_samples ({num_samples}) x max_tokens ({max_tokens}) is over this server's limit "
+                             f"of {limit} tokens per request (--max-sampled-tokens-per-request); split the request")
+
+
+def check_loss_config(config: dict[str, float]) -> None:
+    """Loss settings that make no sense are refused by name (their magnitude is bounded by the wire)."""
+    low, high = config.get("clip_low_threshold"), config.get("clip_high_threshold")
+    if low is not None and high is not None and not 0 <= low <= high:
+        raise InvalidRequest(f"loss_fn_config clip thresholds must satisfy 0 <= clip_low_threshold ({low:g}) <= "
+                             f"clip_high_threshold ({high:g})")
+    for key in ("beta", "kl_coeff"):
+        if config.get(key, 0.0) < 0:
+            raise InvalidRequest(f"loss_fn_config {key} must be >= 0, got {config[key]:g}")
+    if config.get("ratio_cap", 1.0) <= 0:
+        raise InvalidRequest(f"loss_fn_config ratio_cap must be > 0, got {config['ratio_cap']:g}")
+
+
+def touch_run(services: Services, model_id: str) -> None:
+    """Note a run's latest request; best effort, since the request itself already happened."""
+    try:
+        services.store.touch_training_run(model_id)
+    except Exception:
+        logger.warning("could not update last_request_time of %s", model_id, exc_info=True)
 
 
 def forget_checkpoint(services: Services, record: CheckpointRecord) -> None:
     """Release every cached copy of a deleted or overwritten checkpoint's adapter."""
     services.adapters.forget(Path(record.directory))
     services.sampler.forget(checkpoint_adapter_name(record.tinker_path, record.created_at))
-
-
-def failing_work(error: TinkerServerError) -> Work:
-    def work() -> tuple[bytes, str]:
-        raise error
-
-    return work
 
 
 def json_result(response: BaseModel) -> tuple[bytes, str]:

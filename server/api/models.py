@@ -6,7 +6,9 @@ from server.api.deps import (
     OwnerDep,
     ServicesDep,
     check_base_model,
+    check_lora_rank,
     check_optimizer,
+    check_run_quota,
     json_result,
     read_body,
     run_of,
@@ -21,7 +23,6 @@ from server.wire.types import (
     GetInfoRequest,
     GetInfoResponse,
     GetServerCapabilitiesResponse,
-    HealthResponse,
     ModelData,
     OptimizerConfig,
     SupportedModel,
@@ -39,6 +40,8 @@ async def create_model(request: Request, services: ServicesDep, owner: OwnerDep)
     session_of(services.store, create.session_id, owner)
     check_base_model(services, create.base_model)
     check_optimizer(create.optimizer_config)
+    check_lora_rank(services, create.lora_config.rank)
+    check_run_quota(services, owner)
     record = training_run_record(services, session_id=create.session_id, model_seq_id=create.model_seq_id,
                                  owner=owner, lora=create.lora_config, user_metadata=create.user_metadata)
     model_id = record.model_id
@@ -48,7 +51,7 @@ async def create_model(request: Request, services: ServicesDep, owner: OwnerDep)
         services.store.create_training_run(record)
         return json_result(CreateModelResponse(model_id=model_id))
 
-    request_id = await submit_training_op(services, model_id=model_id, seq_id=CREATION_SEQ_ID,
+    request_id = await submit_training_op(services, owner=owner, model_id=model_id, seq_id=CREATION_SEQ_ID,
                                           request_type="CreateModel", body=body, prepare=lambda: work)
     return UntypedAPIFuture(request_id=request_id, model_id=model_id)
 
@@ -71,8 +74,3 @@ async def get_server_capabilities(services: ServicesDep) -> GetServerCapabilitie
         model_name=services.base.name, max_context_length=services.config.limits.max_sequence_length,
         trainable=True, sampleable=True)])
 
-
-@router.get("/healthz")
-async def healthz() -> HealthResponse:
-    """Liveness: the app only serves once the model is loaded."""
-    return HealthResponse()

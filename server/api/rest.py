@@ -4,7 +4,7 @@ from fastapi import APIRouter, Query
 
 from server.api.deps import OwnerDep, Services, ServicesDep, run_of
 from server.store.store import CheckpointRecord, TrainingRunRecord
-from server.wire.types import Checkpoint, CheckpointsListResponse, Cursor, TrainingRun, TrainingRunsResponse
+from server.wire.types import MAX_INT32, Checkpoint, CheckpointsListResponse, Cursor, TrainingRun, TrainingRunsResponse
 
 router = APIRouter(prefix="/api/v1")
 
@@ -31,7 +31,7 @@ def training_run_view(services: Services, run: TrainingRunRecord) -> TrainingRun
 
 @router.get("/training_runs")
 async def list_training_runs(services: ServicesDep, owner: OwnerDep, limit: int = Query(20, ge=1, le=1000),
-                             offset: int = Query(0, ge=0), project_id: str | None = None) -> TrainingRunsResponse:
+                             offset: int = Query(0, ge=0, le=MAX_INT32), project_id: str | None = None) -> TrainingRunsResponse:
     """The caller's training runs (of one project, or all), newest first."""
     runs, total = services.store.list_training_runs(owner=owner, limit=limit, offset=offset, project_id=project_id)
     return TrainingRunsResponse(training_runs=[training_run_view(services, run) for run in runs],
@@ -54,7 +54,7 @@ async def list_run_checkpoints(model_id: str, services: ServicesDep, owner: Owne
 
 @router.get("/checkpoints")
 async def list_checkpoints(services: ServicesDep, owner: OwnerDep, limit: int = Query(100, ge=1, le=1000),
-                           offset: int = Query(0, ge=0)) -> CheckpointsListResponse:
+                           offset: int = Query(0, ge=0, le=MAX_INT32)) -> CheckpointsListResponse:
     """All of the caller's checkpoints, newest first."""
     records, total = services.store.list_checkpoints(model_id=None, owner=owner, limit=limit, offset=offset)
     return CheckpointsListResponse(checkpoints=[checkpoint_view(r) for r in records],

@@ -11,6 +11,7 @@ from server.api.deps import (
     Services,
     ServicesDep,
     check_base_model,
+    check_sampled_tokens,
     checkpoint_of,
     ensure_sampling_session,
     new_request_id,
@@ -126,6 +127,7 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
                                num_samples=sample.num_samples,
                                logprobs=LogprobOptions(prompt_logprobs=bool(sample.prompt_logprobs),
                                                        topk_prompt_logprobs=sample.topk_prompt_logprobs))
+    check_sampled_tokens(services, sample.num_samples, sampling.options.max_tokens)
     sampler_id = sample.sampling_session_id or f"direct:{owner}"
     seq_id = sample.seq_id
     request_id = new_request_id()
@@ -145,10 +147,12 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
                                      output.sequences)
         sequences = [SampledSequenceOut(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason)
                      for s in output.sequences]
+        services.metrics.count_tokens("sampled", sum(len(s.tokens) for s in sequences))
         return encode_sample_response(sequences, prompt_logprobs=prompt_logprobs,
                                       topk_prompt_logprobs=topk), PROTOBUF
 
     request_id = await services.scheduler.submit_sampling(
-        request_id=request_id, sampling_session_id=sampler_id, seq_id=seq_id, payload_hash=payload_hash(body),
+        request_id=request_id, owner=owner, sampling_session_id=sampler_id, seq_id=seq_id,
+        payload_hash=payload_hash(body),
         work=work)
     return UntypedAPIFuture(request_id=request_id, sample_sequence_ids=sequence_ids)

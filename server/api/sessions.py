@@ -24,6 +24,7 @@ from server.wire.lifecycle import (
     UserSearchOwner,
 )
 from server.wire.types import (
+    MAX_INT32,
     ClientConfigRequest,
     ClientConfigResponse,
     CreateSessionRequest,
@@ -103,7 +104,7 @@ def _unload(services: Services, model_id: str) -> None:
 
 @router.get("/sessions")
 async def list_sessions(services: ServicesDep, owner: OwnerDep, limit: int = Query(20, ge=1, le=1000),
-                        offset: int = Query(0, ge=0)) -> ListSessionsResponse:
+                        offset: int = Query(0, ge=0, le=MAX_INT32)) -> ListSessionsResponse:
     """The caller's sessions, newest first."""
     sessions = services.store.list_sessions(owner=owner, limit=limit, offset=offset)
     return ListSessionsResponse(sessions=[s.session_id for s in sessions])

@@ -2,8 +2,8 @@
 
 from fastapi import APIRouter, Request
 
-from server.api.deps import (PROTOBUF, OwnerDep, ServicesDep, json_result, read_body, recorded_sequences_of, run_of,
-                             submit_training_op)
+from server.api.deps import (PROTOBUF, OwnerDep, ServicesDep, check_loss_config, json_result, read_body,
+                             recorded_sequences_of, run_of, submit_training_op, touch_run)
 from server.errors import InvalidRequest
 from server.rendering.provenance import attach_recorded_samples, named_sequence_ids
 from server.rendering.training import render_training_datum
@@ -28,7 +28,8 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
     def prepare():
         if not fwdbwd.data:
             raise InvalidRequest("forward_backward needs at least one datum")
-        spec, _ = resolve_loss(fwdbwd.loss_fn, fwdbwd.loss_fn_config)
+        spec, config = resolve_loss(fwdbwd.loss_fn, fwdbwd.loss_fn_config)
+        check_loss_config(config)
         examples = [render_training_datum(datum, index, services.render_context, spec.inputs, spec.optional_inputs)
                     for index, datum in enumerate(fwdbwd.data)]
         if spec.needs_provenance:
@@ -40,12 +41,13 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
         def work():
             result = services.trainer.forward_backward(fwdbwd.model_id, examples, fwdbwd.loss_fn,
                                                        fwdbwd.loss_fn_config, fwdbwd.forward_only)
-            services.store.touch_training_run(fwdbwd.model_id)
+            touch_run(services, fwdbwd.model_id)
+            services.metrics.count_tokens("trained", sum(len(example.input_ids) for example in examples))
             return encode_forward_backward_output(result.outputs, result.metrics), PROTOBUF
 
         return work
 
-    request_id = await submit_training_op(services, model_id=fwdbwd.model_id, seq_id=fwdbwd.seq_id,
+    request_id = await submit_training_op(services, owner=owner, model_id=fwdbwd.model_id, seq_id=fwdbwd.seq_id,
                                           request_type="Forward" if fwdbwd.forward_only else "ForwardBackward",
                                           body=body, prepare=prepare)
     return UntypedAPIFuture(request_id=request_id, model_id=fwdbwd.model_id)
@@ -68,6 +70,6 @@ async def optim_step(request: Request, services: ServicesDep, owner: OwnerDep) -
 
         return work
 
-    request_id = await submit_training_op(services, model_id=step.model_id, seq_id=step.seq_id,
+    request_id = await submit_training_op(services, owner=owner, model_id=step.model_id, seq_id=step.seq_id,
                                           request_type="OptimStep", body=body, prepare=prepare)
     return UntypedAPIFuture(request_id=request_id, model_id=step.model_id)

@@ -1,7 +1,8 @@
 """Checkpoints of training runs: save_weights, save_weights_for_sampler, save_weights_external, load_weights,
 weights_info."""
 
-import shutil
+import logging
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from server.api.deps import (
     ServicesDep,
     check_base_model,
     check_optimizer,
-    check_ttl,
+    check_run_quota,
+    check_storage_quota,
     checkpoint_of,
     ensure_sampling_session,
     forget_checkpoint,
@@ -28,7 +30,8 @@ from server.api.deps import (
 )
 from server.errors import InvalidRequest
 from server.scheduler.scheduler import CREATION_SEQ_ID
-from server.store.checkpoints import TinkerPath, parse_tinker_path
+from server.store.checkpoints import TinkerPath, parse_tinker_path, remove_checkpoint_files, sync_directory_tree
+from server.store.db import is_disk_full, storage_failure
 from server.store.exports import AGE_SUFFIX, encrypt_files, parse_age_recipients
 from server.store.store import CheckpointRecord, TrainingRunRecord, utcnow
 from server.wire.lifecycle import SaveWeightsExternalRequest, SaveWeightsExternalResponse
@@ -44,6 +47,7 @@ from server.wire.types import (
     WeightsInfoResponse,
 )
 
+logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/api/v1")
 
 
@@ -58,20 +62,35 @@ def _save(services: Services, run: TrainingRunRecord, tinker_path: TinkerPath, *
 
 def _write_and_record(services: Services, run: TrainingRunRecord, tinker_path: TinkerPath, *, overwrite: bool,
                       ttl_seconds: int | None, user_metadata: dict[str, str] | None, write) -> int:
-    directory = tinker_path.directory(services.config.store.checkpoint_dir)
+    """The files go to a new version directory; the journal's row is switched to it only once they are
+    complete and on disk, and the old version is deleted after that (see server/store/checkpoints.py)."""
+    checkpoint_dir = services.config.store.checkpoint_dir
     existing = services.store.get_checkpoint(str(tinker_path))
+    if existing is not None and not overwrite:
+        raise InvalidRequest(f"checkpoint {tinker_path} already exists; choose another name")
+    check_storage_quota(services, run.owner)
+    directory = tinker_path.new_version_directory(checkpoint_dir)
+    started = time.perf_counter()
+    try:
+        size = write(directory)
+        sync_directory_tree(directory)
+        now = utcnow()
+        services.store.add_checkpoint(CheckpointRecord(
+            tinker_path=str(tinker_path), model_id=run.model_id, checkpoint_id=tinker_path.checkpoint_id,
+            checkpoint_type=tinker_path.checkpoint_type, directory=str(directory), size_bytes=size,
+            owner=run.owner, user_metadata=user_metadata or {}, created_at=now,
+            expires_at=now + timedelta(seconds=ttl_seconds) if ttl_seconds else None))
+    except Exception as error:
+        remove_checkpoint_files(directory, checkpoint_dir)
+        logger.warning("event=checkpoint_failed tinker_path=%s error=%r", tinker_path, type(error).__name__)
+        if isinstance(error, OSError) or is_disk_full(error):
+            raise storage_failure(error, f"save checkpoint {tinker_path}") from error
+        raise
     if existing is not None:
-        if not overwrite:
-            raise InvalidRequest(f"checkpoint {tinker_path} already exists; choose another name")
-        shutil.rmtree(directory, ignore_errors=True)
         forget_checkpoint(services, existing)
-    size = write(directory)
-    now = utcnow()
-    services.store.add_checkpoint(CheckpointRecord(
-        tinker_path=str(tinker_path), model_id=run.model_id, checkpoint_id=tinker_path.checkpoint_id,
-        checkpoint_type=tinker_path.checkpoint_type, directory=str(directory), size_bytes=size, owner=run.owner,
-        user_metadata=user_metadata or {}, created_at=now,
-        expires_at=now + timedelta(seconds=ttl_seconds) if ttl_seconds else None))
+        remove_checkpoint_files(Path(existing.directory), checkpoint_dir)
+    logger.info("event=checkpoint_saved tinker_path=%s tenant=%s bytes=%d seconds=%.3f overwrote=%s", tinker_path,
+                run.owner, size, time.perf_counter() - started, existing is not None)
     return size
 
 
@@ -85,7 +104,6 @@ async def save_weights(request: Request, services: ServicesDep, owner: OwnerDep)
     def prepare():
         tinker_path = TinkerPath(run.model_id, "weights", save.path or f"state-{save.seq_id}")
         parse_tinker_path(str(tinker_path))  # validates the name
-        check_ttl(save.ttl_seconds)
 
         def work():
             _save(services, run, tinker_path, overwrite=save.overwrite, ttl_seconds=save.ttl_seconds,
@@ -95,7 +113,7 @@ async def save_weights(request: Request, services: ServicesDep, owner: OwnerDep)
 
         return work
 
-    request_id = await submit_training_op(services, model_id=run.model_id, seq_id=save.seq_id,
+    request_id = await submit_training_op(services, owner=owner, model_id=run.model_id, seq_id=save.seq_id,
                                           request_type="SaveWeights", body=body, prepare=prepare)
     return UntypedAPIFuture(request_id=request_id, model_id=run.model_id)
 
@@ -116,7 +134,6 @@ async def save_weights_for_sampler(request: Request, services: ServicesDep, owne
 
         tinker_path = TinkerPath(run.model_id, "sampler_weights", save.path)
         parse_tinker_path(str(tinker_path))
-        check_ttl(save.ttl_seconds)
 
         def work():
             _save(services, run, tinker_path, overwrite=True, ttl_seconds=save.ttl_seconds,
@@ -134,7 +151,7 @@ async def save_weights_for_sampler(request: Request, services: ServicesDep, owne
                                 sampling_session_seq_id=save.sampling_session_seq_id)
         return json_result(SaveWeightsForSamplerResponse(sampling_session_id=sampling_session_id))
 
-    request_id = await submit_training_op(services, model_id=run.model_id, seq_id=save.seq_id,
+    request_id = await submit_training_op(services, owner=owner, model_id=run.model_id, seq_id=save.seq_id,
                                           request_type="SaveWeightsForSampler", body=body, prepare=prepare)
     return UntypedAPIFuture(request_id=request_id, model_id=run.model_id)
 
@@ -149,7 +166,6 @@ async def save_weights_external(request: Request, services: ServicesDep, owner: 
     def prepare():
         tinker_path = TinkerPath(run.model_id, "external_weights", save.path)
         parse_tinker_path(str(tinker_path))
-        check_ttl(save.ttl_seconds)
         recipients = parse_age_recipients(save.age_encryption_recipients) if save.age_encryption_recipients \
             else None
 
@@ -164,7 +180,7 @@ async def save_weights_external(request: Request, services: ServicesDep, owner: 
 
         return work
 
-    request_id = await submit_training_op(services, model_id=run.model_id, seq_id=save.seq_id,
+    request_id = await submit_training_op(services, owner=owner, model_id=run.model_id, seq_id=save.seq_id,
                                           request_type="SaveWeightsExternal", body=body, prepare=prepare)
     return UntypedAPIFuture(request_id=request_id, model_id=run.model_id)
 
@@ -201,6 +217,7 @@ async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep)
         session_of(services.store, load.session_id, owner)
         check_base_model(services, load.base_model)
         check_optimizer(load.optimizer_config)
+        check_run_quota(services, owner)
         model_id, seq_id = model_id_for(load.session_id, load.model_seq_id), CREATION_SEQ_ID
 
         def prepare():
@@ -217,8 +234,8 @@ async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep)
 
             return work
 
-    request_id = await submit_training_op(services, model_id=model_id, seq_id=seq_id, request_type="LoadWeights",
-                                          body=body, prepare=prepare)
+    request_id = await submit_training_op(services, owner=owner, model_id=model_id, seq_id=seq_id,
+                                          request_type="LoadWeights", body=body, prepare=prepare)
     return UntypedAPIFuture(request_id=request_id, model_id=model_id)
 
 

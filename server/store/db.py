@@ -4,11 +4,14 @@ Knows SQLite (the embedded default) and PostgreSQL (several replicas); knows not
 the tables beyond handing migrations/ to Alembic, which owns every schema change.
 """
 
+import errno
 from pathlib import Path
 
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
+
+from server.errors import InsufficientStorage, StorageUnavailable, TinkerServerError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
@@ -50,3 +53,24 @@ def upgrade_to_head(engine: sa.Engine) -> None:
             connection.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK_KEY})
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether a filesystem or database error means "no space left" (SQLite, PostgreSQL, or the OS)."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(error).lower()
+        if "database or disk is full" in text or "no space left" in text or "could not extend file" in text:
+            return True
+        error = getattr(error, "orig", None) or error.__cause__
+    return False
+
+
+def storage_failure(error: BaseException, action: str) -> TinkerServerError:
+    """The client-facing error for a failed write: what could not be done, and why, without server paths."""
+    if is_disk_full(error):
+        return InsufficientStorage(f"the server's disk is full, so it could not {action}; nothing of it was kept. "
+                                   f"Send it again once the operator has freed space")
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else type(error).__name__
+    return StorageUnavailable(f"storage error ({reason}): the server could not {action}; send it again")

@@ -9,13 +9,14 @@ Knows nothing about HTTP or engines; the caller says what else to release when a
 """
 
 import logging
-import shutil
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from pathlib import Path
 
+from server.store.checkpoints import remove_checkpoint_files
 from server.store.store import CheckpointRecord, Store
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class CheckpointPins:
                 self._changed.notify_all()
 
 
-def sweep_expired_checkpoints(store: Store, pins: CheckpointPins, now: datetime,
+def sweep_expired_checkpoints(store: Store, pins: CheckpointPins, now: datetime, checkpoint_dir: Path,
                               on_removed: Callable[[CheckpointRecord], None]) -> list[str]:
     """Delete the rows and files of checkpoints whose TTL has passed and that are not in use.
 
@@ -78,7 +79,7 @@ def sweep_expired_checkpoints(store: Store, pins: CheckpointPins, now: datetime,
             # The row goes first, in a statement that re-checks expiry and use, so nobody finds it half-deleted.
             if not store.delete_expired_checkpoint(record, now):
                 return False
-            shutil.rmtree(record.directory, ignore_errors=True)
+            remove_checkpoint_files(Path(record.directory), checkpoint_dir)
             return True
 
         if pins.remove_unless_pinned(record.tinker_path, remove):

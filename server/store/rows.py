@@ -132,8 +132,11 @@ class FutureRow(Base):
 
     request_id: Mapped[str] = mapped_column(sa.String, primary_key=True)
     request_type: Mapped[str] = mapped_column(sa.String)
+    owner: Mapped[str | None] = mapped_column(sa.String)
+    """The tenant that sent the request: only it may read the result."""
     model_id: Mapped[str | None] = mapped_column(sa.String)
-    seq_id: Mapped[int | None] = mapped_column(sa.Integer)
+    seq_id: Mapped[int | None] = mapped_column(sa.BigInteger)
+    """Sampling clones number their requests clone_id * 1e9 + k, past 32 bits."""
     payload_hash: Mapped[str] = mapped_column(sa.String)
     status: Mapped[str] = mapped_column(sa.String)
     result: Mapped[bytes | None] = mapped_column(sa.LargeBinary)
@@ -209,3 +212,21 @@ class SampledSequenceRow(Base):
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
     __table_args__ = (sa.Index(None, "expires_at"),)
+
+
+class ApiKeyRow(Base):
+    """An API key an operator issued to a tenant; only its SHA-256 is kept, never the key."""
+
+    __tablename__ = "api_keys"
+
+    key_id: Mapped[str] = mapped_column(sa.String, primary_key=True)
+    """Short public name of the key (`keys list`, `keys revoke`)."""
+    key_hash: Mapped[str] = mapped_column(sa.String, unique=True)
+    tenant: Mapped[str] = mapped_column(sa.String)
+    admin: Mapped[bool] = mapped_column(sa.Boolean)
+    """May read server-wide data (/metrics)."""
+    label: Mapped[str | None] = mapped_column(sa.String)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+    __table_args__ = (sa.Index(None, "tenant"),)

@@ -14,8 +14,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import sessionmaker
 
 from server.store.db import build_engine, upgrade_to_head
-from server.store.rows import (DEFAULT_PROJECT, Base, CheckpointRow, FutureRow, SamplingSessionRow, SessionRow,
-                               TrainingRunRow)
+from server.store.rows import (DEFAULT_PROJECT, ApiKeyRow, Base, CheckpointRow, FutureRow, SamplingSessionRow,
+                               SessionRow, TrainingRunRow)
 from server.store.sampled_sequences import SampledSequences
 
 FutureStatus = Literal["pending", "complete", "failed"]
@@ -95,6 +95,7 @@ class FutureRecord:
 
     request_id: str
     request_type: str
+    owner: str | None
     model_id: str | None
     seq_id: int | None
     payload_hash: str
@@ -136,6 +137,19 @@ class SamplingSessionRecord:
     source_model_id: str | None = None
     """Set for an unsaved snapshot: the training run it was taken from (its weights live in memory)."""
     created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeyRecord:
+    """An issued API key: its public id, the SHA-256 of the secret, and whose it is."""
+
+    key_id: str
+    key_hash: str
+    tenant: str
+    admin: bool = False
+    label: str | None = None
+    created_at: datetime = field(default_factory=utcnow)
+    revoked_at: datetime | None = None
 
 
 RecordT = TypeVar("RecordT")
@@ -299,6 +313,17 @@ class Store:
             counts = {session_id: (count, size or 0) for session_id, count, size in db.execute(totals)}
         return [SessionSearchHit(session, *counts.get(session.session_id, (0, 0))) for session in sessions]
 
+    def count_active_training_runs(self, owner: str) -> int:
+        """The owner's training runs whose session is still open (their adapters are in memory)."""
+        statement = (
+            sa.select(sa.func.count())
+            .select_from(TrainingRunRow)
+            .join(SessionRow, SessionRow.session_id == TrainingRunRow.session_id)
+            .where(TrainingRunRow.owner == owner, SessionRow.finished_at.is_(None))
+        )
+        with self._transaction() as db:
+            return db.scalar(statement)
+
     # training runs
 
     def create_training_run(self, run: TrainingRunRecord) -> None:
@@ -341,7 +366,14 @@ class Store:
     # futures
 
     def insert_future(
-        self, *, request_id: str, request_type: str, model_id: str | None, seq_id: int | None, payload_hash: str
+        self,
+        *,
+        request_id: str,
+        request_type: str,
+        model_id: str | None,
+        seq_id: int | None,
+        payload_hash: str,
+        owner: str | None = None,
     ) -> FutureRecord:
         """Journal a pending request, or return the row already holding (model_id, seq_id) unchanged.
 
@@ -353,6 +385,7 @@ class Store:
             .values(
                 request_id=request_id,
                 request_type=request_type,
+                owner=owner,
                 model_id=model_id,
                 seq_id=seq_id,
                 payload_hash=payload_hash,
@@ -447,6 +480,19 @@ class Store:
             total = db.scalar(sa.select(sa.func.count()).select_from(CheckpointRow).where(*where))
             return [_to_record(CheckpointRecord, row) for row in db.scalars(page)], total
 
+    def stored_checkpoint_bytes(self, owner: str) -> int:
+        """Bytes of checkpoint files the owner keeps."""
+        statement = sa.select(sa.func.coalesce(sa.func.sum(CheckpointRow.size_bytes), 0)).where(
+            CheckpointRow.owner == owner
+        )
+        with self._transaction() as db:
+            return int(db.scalar(statement))
+
+    def checkpoint_directories(self) -> set[str]:
+        """The directory of every listed checkpoint (files elsewhere under the checkpoint dir are leftovers)."""
+        with self._transaction() as db:
+            return set(db.scalars(sa.select(CheckpointRow.directory)))
+
     def set_checkpoint_public(self, tinker_path: str, public: bool) -> bool:
         """Publish or unpublish a checkpoint; False if it is unknown."""
         return self._update_checkpoint(tinker_path, public=public)
@@ -495,6 +541,42 @@ class Store:
             row = db.get(SamplingSessionRow, sampling_session_id)
             return None if row is None else _to_record(SamplingSessionRecord, row)
 
+    # API keys
+
+    def add_api_key(self, key: ApiKeyRecord) -> None:
+        """Record an issued key."""
+        with self._transaction() as db:
+            db.add(ApiKeyRow(**_to_values(key)))
+
+    def find_api_key(self, key_hash: str) -> ApiKeyRecord | None:
+        """The unrevoked key with this hash, or None."""
+        statement = sa.select(ApiKeyRow).where(ApiKeyRow.key_hash == key_hash, ApiKeyRow.revoked_at.is_(None))
+        with self._transaction() as db:
+            row = db.scalars(statement).one_or_none()
+            return None if row is None else _to_record(ApiKeyRecord, row)
+
+    def list_api_keys(self, tenant: str | None = None) -> list[ApiKeyRecord]:
+        """Every issued key (of one tenant, or all), oldest first, revoked ones included."""
+        statement = sa.select(ApiKeyRow).order_by(ApiKeyRow.created_at, ApiKeyRow.key_id)
+        if tenant is not None:
+            statement = statement.where(ApiKeyRow.tenant == tenant)
+        with self._transaction() as db:
+            return [_to_record(ApiKeyRecord, row) for row in db.scalars(statement)]
+
+    def revoke_api_key(self, key_id: str) -> bool:
+        """Revoke a key; False if it is unknown or already revoked."""
+        statement = (
+            sa.update(ApiKeyRow)
+            .where(ApiKeyRow.key_id == key_id, ApiKeyRow.revoked_at.is_(None))
+            .values(revoked_at=utcnow())
+        )
+        with self._transaction() as db:
+            return db.execute(statement).rowcount == 1
+
+    def has_api_keys(self) -> bool:
+        """Whether any key was ever issued (revoked ones count)."""
+        with self._transaction() as db:
+            return db.scalar(sa.select(sa.func.count()).select_from(ApiKeyRow)) > 0
 
 def _checkpoint_in_use() -> sa.ColumnElement[bool]:
     """A checkpoint is in use while a sampling session samples from it: one of a session that is not finished

@@ -11,6 +11,7 @@ Shapes: B = datums in a micro-batch, T = padded length, N = real positions, K = 
 """
 
 import logging
+import math
 import random
 from dataclasses import dataclass
 
@@ -261,8 +262,17 @@ class Trainer:
             dist.all_reduce(flat)
             for tensor, summed in zip(trained, flat.split([t.numel() for t in trained])):
                 tensor.grad.copy_(summed.view_as(tensor))
-        max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(trained, max_norm)) if trained else 0.0
+        total_norm = torch.nn.utils.get_total_norm([t.grad for t in trained]) if trained else torch.tensor(0.0)
+        grad_norm = float(total_norm)
+        if not math.isfinite(grad_norm):
+            # A step on NaN/inf would poison the weights and AdamW moments for good: refuse it, and drop
+            # the accumulated gradients so the run can go on from where it was.
+            run.optimizer.zero_grad(set_to_none=True)
+            raise InvalidRequest(f"the accumulated gradient of {model_id} is not finite (norm {grad_norm}); the step "
+                                 f"was not applied and the gradients were cleared: the weights and optimizer state "
+                                 f"are as they were")
+        if params.grad_clip_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(trained, params.grad_clip_norm, total_norm)
         for group in run.optimizer.param_groups:
             group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                          weight_decay=params.weight_decay)

@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AwareDatetime, Field, model_validator
 
-from server.wire.types import CheckpointName, TtlSeconds, WireRequest, WireResponse
+from server.wire.types import CheckpointName, Id, Int32, SeqId, TtlSeconds, WireRequest, WireResponse
 
 # ---------------------------------------------------------------------------------------------
 # External weights, copies, TTLs and access tokens.
@@ -19,12 +19,11 @@ from server.wire.types import CheckpointName, TtlSeconds, WireRequest, WireRespo
 
 class SaveWeightsExternalRequest(WireRequest):
     type: Literal["save_weights_external"] = "save_weights_external"
-    model_id: str
+    model_id: Id
     path: CheckpointName
     """Checkpoint name."""
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
-    """Checked when the request is prepared (see TtlSeconds)."""
+    seq_id: SeqId | None = None
+    ttl_seconds: TtlSeconds | None = None
     age_encryption_recipients: list[str] | None = None
     """age recipients (age1... keys or SSH public keys) every file is encrypted to, stored as NAME.age."""
 
@@ -49,10 +48,10 @@ class CheckpointTtlRequest(WireRequest):
 class CopyWeightsRequest(WireRequest):
     """Into a new run of a new session in `destination_project_id`, or into run `model_seq_id` of `session_id`."""
 
-    source_path: str
-    destination_project_id: str | None = Field(default=None, min_length=1)
-    session_id: str | None = None
-    model_seq_id: int | None = Field(default=None, ge=0)
+    source_path: Id
+    destination_project_id: str | None = Field(default=None, min_length=1, max_length=200)
+    session_id: Id | None = None
+    model_seq_id: Int32 | None = None
     ttl_seconds: TtlSeconds | None = None
     weights_access_token: str | None = None
 
@@ -76,7 +75,7 @@ class WeightsAccessTokenResponse(WireResponse):
 
 
 class AssignSessionProjectRequest(WireRequest):
-    project_id: str = Field(min_length=1)
+    project_id: str = Field(min_length=1, max_length=200)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,6 +32,9 @@ from server.wire.types import (
 
 MAX_DECOMPRESSED_BYTES = 1 << 30
 """A zstd body that inflates past this is refused (a decompression bomb)."""
+MAX_ABS_VALUE = 1e6
+"""Loss inputs (weights, advantages, sampler logprobs, clip thresholds) and loss_fn_config numbers
+beyond this magnitude are refused: no sensible loss needs them, and they poison a run for good."""
 _ZSTD_SLICE_BYTES = 1024
 
 # Wire dtype -> how its bytes are read. int32 widens to int64 and bfloat16 to float32.
@@ -62,20 +65,7 @@ def decode_forward_backward_request(
     Raises InvalidRequest (a ValueError) naming the offending field for any malformed input, and
     PayloadTooLarge when a zstd body inflates past `max_decompressed_bytes`.
     """
-    encoding = (content_encoding or "identity").strip().lower()
-    if encoding == "zstd":
-        body = _zstd_decompress(body, max_decompressed_bytes)
-    elif encoding != "identity":
-        raise InvalidRequest(f"unsupported Content-Encoding {content_encoding!r} (use zstd or none)")
-
-    message = pb.ForwardBackwardRequest()
-    try:
-        message.ParseFromString(body)
-    except DecodeError as error:
-        raise InvalidRequest(
-            f"forward_backward body is not a valid tinker_public.ForwardBackwardRequest "
-            f"protobuf (truncated or corrupt?): {error}"
-        ) from None
+    message = _parse_forward_backward(body, content_encoding, max_decompressed_bytes)
     if not message.model_id:
         raise InvalidRequest("forward_backward request has no model_id")
     if not message.loss_fn:
@@ -87,6 +77,10 @@ def decode_forward_backward_request(
         kind = value.WhichOneof("value")
         if kind is not None:
             loss_fn_config[key] = getattr(value, kind)
+    for key, value in loss_fn_config.items():
+        if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= MAX_ABS_VALUE):
+            raise InvalidRequest(f"loss_fn_config[{key!r}] is {value}: it must be a finite number of magnitude "
+                                 f"at most {MAX_ABS_VALUE:g}")
 
     return ForwardBackwardRequest(
         model_id=message.model_id,
@@ -96,6 +90,38 @@ def decode_forward_backward_request(
         forward_only=message.forward_only,
         data=[_decode_datum(datum, f"data[{i}]") for i, datum in enumerate(message.data)],
     )
+
+
+def read_forward_backward_slot(body: bytes, content_encoding: str | None) -> tuple[str, int, bool] | None:
+    """(model_id, seq_id, forward_only) of a forward_backward body, or None where they cannot be read.
+
+    For refused requests: a body whose datums are malformed may still name its place in the run.
+    """
+    try:
+        message = _parse_forward_backward(body, content_encoding, MAX_DECOMPRESSED_BYTES)
+    except InvalidRequest:
+        return None
+    if not message.model_id or message.seq_id < 1:
+        return None
+    return message.model_id, message.seq_id, message.forward_only
+
+
+def _parse_forward_backward(body: bytes, content_encoding: str | None, max_decompressed_bytes: int
+                            ) -> pb.ForwardBackwardRequest:
+    encoding = (content_encoding or "identity").strip().lower()
+    if encoding == "zstd":
+        body = _zstd_decompress(body, max_decompressed_bytes)
+    elif encoding != "identity":
+        raise InvalidRequest(f"unsupported Content-Encoding {content_encoding!r} (use zstd or none)")
+    message = pb.ForwardBackwardRequest()
+    try:
+        message.ParseFromString(body)
+    except DecodeError as error:
+        raise InvalidRequest(
+            f"forward_backward body is not a valid tinker_public.ForwardBackwardRequest "
+            f"protobuf (truncated or corrupt?): {error}"
+        ) from None
+    return message
 
 
 def _zstd_decompress(body: bytes, max_bytes: int) -> bytes:
@@ -208,6 +234,7 @@ def _decode_tensor(message: pb.Tensor, where: str) -> torch.Tensor:
         values = _read_values(csr.values, message.dtype, f"{where}.values")
         crow = _read_array(csr.crow_indices, np.dtype("<i8"), f"{where}.crow_indices")
         col = _read_array(csr.col_indices, np.dtype("<i8"), f"{where}.col_indices")
+        _check_magnitude(values, where)
         try:
             dense = densify_csr(values, crow, col, shape)
         except ValueError as error:
@@ -215,12 +242,25 @@ def _decode_tensor(message: pb.Tensor, where: str) -> torch.Tensor:
         return torch.from_numpy(dense)
 
     values = _read_values(message.dense, message.dtype, where)
+    _check_magnitude(values, where)
     if not shape:
         # proto3 cannot tell an unset shape from a scalar one; the SDK reads a missing shape as 1-D.
         shape = [values.size]
     if math.prod(shape) != values.size:
         raise InvalidRequest(f"{where}: shape {shape} needs {math.prod(shape)} values, got {values.size}")
     return torch.from_numpy(values.reshape(shape))
+
+
+def _check_magnitude(values: np.ndarray, where: str) -> None:
+    if values.dtype.kind == "f" and values.size:
+        finite = np.isfinite(values)
+        if not finite.all():
+            raise InvalidRequest(f"{where} holds {values[~finite][0]} at index {int(np.argmin(finite))}: values "
+                                 f"must be finite")
+        largest = float(np.abs(values).max())
+        if largest > MAX_ABS_VALUE:
+            raise InvalidRequest(f"{where} holds a value of magnitude {largest:g}, over the limit of "
+                                 f"{MAX_ABS_VALUE:g}")
 
 
 # ---------------------------------------------------------------------------------------------

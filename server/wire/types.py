@@ -34,11 +34,49 @@ from pydantic import (
 # A CSR tensor is tiny on the wire but can name a huge dense shape; refuse to densify past this.
 MAX_DENSE_ELEMENTS = 1 << 28
 
+# Bounds on the numbers a client sends: past them a value is a mistake (or an attack), and refusing
+# it here gives a 400 that names the field instead of an overflow deep in the database or engine.
+MAX_INT32 = 2**31 - 1
+MAX_SEQ_ID = 2**63 - 1
+"""Sampling clones number requests clone_id * 1e9 + k (clone_id up to 1e9), past 32 bits."""
+MAX_ID_LENGTH = 512
+MIN_TTL_SECONDS, MAX_TTL_SECONDS = 3600, 10 * 366 * 24 * 3600
+
+SeqId = Annotated[int, Field(ge=1, le=MAX_SEQ_ID)]
+"""A training request's place in its model's order (the SDK counts from 1; 0 is the model's creation)."""
+SampleSeqId = Annotated[int, Field(ge=0, le=MAX_SEQ_ID)]
+Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
+Int32 = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]
+TtlSeconds = Annotated[int, Field(ge=MIN_TTL_SECONDS, le=MAX_TTL_SECONDS)]
+"""A checkpoint's time to live: 1 hour to 10 years, as the SDK documents (None: it never expires)."""
+
+
+def _reject_nul(value: Any) -> Any:
+    # PostgreSQL cannot store NUL in text, and no name, id or path needs one.
+    if isinstance(value, str):
+        strings: Any = (value,)
+    elif isinstance(value, dict):
+        strings = [s for pair in value.items() for s in pair if isinstance(s, str)]
+    elif isinstance(value, list) and value and isinstance(value[0], str):
+        strings = value
+    else:
+        return value
+    if any("\x00" in s for s in strings if isinstance(s, str)):
+        raise ValueError("text fields may not contain NUL characters")
+    return value
+
 
 class WireRequest(BaseModel):
-    """Base of request bodies: unknown fields are ignored, so newer SDKs keep working."""
+    """Base of request bodies: unknown fields are ignored, so newer SDKs keep working. Floats must
+    be finite, and no text field may hold a NUL character."""
 
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_nul_in_text(cls, value: Any) -> Any:
+        return _reject_nul(value)
 
 
 class WireResponse(BaseModel):
@@ -58,7 +96,7 @@ class WireResponse(BaseModel):
 
 class EncodedTextChunk(WireRequest):
     type: Literal["encoded_text"] = "encoded_text"
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[Int32]
 
 
 class ImageChunk(WireRequest):
@@ -67,7 +105,7 @@ class ImageChunk(WireRequest):
     type: Literal["image"] = "image"
     data: bytes
     format: Literal["png", "jpeg"]
-    expected_tokens: int | None = None
+    expected_tokens: Int32 | None = None
     """Advisory token count from the client; the server computes the true one."""
 
     @field_validator("data", mode="before")
@@ -90,8 +128,8 @@ class ImageAssetPointerChunk(WireRequest):
 
     type: Literal["image_asset_pointer"] = "image_asset_pointer"
     format: Literal["png", "jpeg"]
-    location: str
-    expected_tokens: int | None = None
+    location: Annotated[str, Field(min_length=1, max_length=4096)]
+    expected_tokens: Int32 | None = None
 
 
 Chunk = Annotated[
@@ -228,8 +266,8 @@ class ForwardBackwardRequest(BaseModel):
 
     model_config = ConfigDict(protected_namespaces=())
 
-    model_id: str
-    seq_id: int
+    model_id: Id
+    seq_id: SeqId
     loss_fn: str
     loss_fn_config: dict[str, float | str] = Field(default_factory=dict)
     forward_only: bool = False
@@ -237,8 +275,9 @@ class ForwardBackwardRequest(BaseModel):
 
 
 class LoraConfig(WireRequest):
-    rank: int = Field(default=32, gt=0)
-    seed: int | None = None
+    rank: int = Field(default=32, gt=0, le=1 << 16)
+    """The server's --max-lora-rank applies on top."""
+    seed: Seed | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -258,25 +297,24 @@ class OptimizerConfig(BaseModel):
     type: Literal["adamw", "dimuon"] = "adamw"
 
 
-class AdamParams(WireRequest):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+MAX_LEARNING_RATE = 10.0
 
-    learning_rate: float = Field(default=1e-4, ge=0)
+
+class AdamParams(WireRequest):
+    learning_rate: float = Field(default=1e-4, ge=0, le=MAX_LEARNING_RATE)
     beta1: float = Field(default=0.9, ge=0, lt=1)
     beta2: float = Field(default=0.95, ge=0, lt=1)
-    eps: float = Field(default=1e-12, ge=0)
-    weight_decay: float = Field(default=0.0, ge=0)
+    eps: float = Field(default=1e-12, ge=0, le=1)
+    weight_decay: float = Field(default=0.0, ge=0, le=10)
     """Decoupled (AdamW) weight decay."""
-    grad_clip_norm: float = Field(default=0.0, ge=0)
+    grad_clip_norm: float = Field(default=0.0, ge=0, le=1e12)
     """Clip the global gradient norm to this; 0 means no clipping."""
 
 
 class DimuonParams(WireRequest):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
     type: Literal["dimuon"] = "dimuon"
-    learning_rate: float = Field(ge=0)
-    grad_clip_norm: float = 0.0
+    learning_rate: float = Field(ge=0, le=MAX_LEARNING_RATE)
+    grad_clip_norm: float = Field(default=0.0, ge=0, le=1e12)
     beta1: float = Field(default=0.9, ge=0, lt=1)
 
 
@@ -306,12 +344,12 @@ class StopConditions:
 
 
 class SamplingParams(WireRequest):
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     """None lets the server pick."""
-    seed: int | None = None
-    stop: str | list[str] | list[Annotated[int, Field(ge=0)]] | None = None
-    temperature: float = Field(default=1.0, ge=0)
-    top_k: int = Field(default=-1, ge=-1)
+    seed: Seed | None = None
+    stop: str | list[str] | list[Int32] | None = None
+    temperature: float = Field(default=1.0, ge=0, le=100)
+    top_k: int = Field(default=-1, ge=-1, le=MAX_INT32)
     """-1 (or 0) means no limit; normalized to -1."""
     top_p: float = Field(default=1.0, gt=0, le=1)
 
@@ -360,7 +398,7 @@ class CreateSessionRequest(WireRequest):
 
 class SessionHeartbeatRequest(WireRequest):
     type: Literal["session_heartbeat"] = "session_heartbeat"
-    session_id: str
+    session_id: Id
 
 
 class FinishReason(WireRequest):
@@ -383,9 +421,9 @@ class TelemetryBatch(BaseModel):
 
 class CreateModelRequest(WireRequest):
     type: Literal["create_model"] = "create_model"
-    session_id: str
-    model_seq_id: int = Field(ge=0)
-    base_model: str
+    session_id: Id
+    model_seq_id: Int32
+    base_model: Id
     lora_config: LoraConfig = Field(default_factory=LoraConfig)
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
     user_metadata: dict[str, Any] | None = None
@@ -398,13 +436,13 @@ class CreateModelRequest(WireRequest):
 
 class GetInfoRequest(WireRequest):
     type: Literal["get_info"] = "get_info"
-    model_id: str
+    model_id: Id
 
 
 class OptimStepRequest(WireRequest):
     type: Literal["optim_step"] = "optim_step"
-    model_id: str
-    seq_id: int | None = None
+    model_id: Id
+    seq_id: SeqId | None = None
     adam_params: OptimParams = Field(
         validation_alias=AliasChoices("adam_params", "optimizer_params", "optim_params")
     )
@@ -420,19 +458,14 @@ def _check_checkpoint_name(name: str) -> str:
 
 CheckpointName = Annotated[str, AfterValidator(_check_checkpoint_name)]
 
-MIN_TTL_SECONDS, MAX_TTL_SECONDS = 3600, 10 * 366 * 24 * 3600
-TtlSeconds = Annotated[int, Field(ge=MIN_TTL_SECONDS, le=MAX_TTL_SECONDS)]
-"""A checkpoint's time to live: 1 hour to 10 years, as the SDK documents (None: it never expires). Requests
-with a seq_id take a plain int and check it when they are prepared, so that a refusal uses up the seq_id."""
-
 
 class SaveWeightsRequest(WireRequest):
     type: Literal["save_weights"] = "save_weights"
-    model_id: str
+    model_id: Id
     path: CheckpointName | None = None
     """Checkpoint name (not a path, despite the field name)."""
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
+    seq_id: SeqId | None = None
+    ttl_seconds: TtlSeconds | None = None
     overwrite: bool = False
     user_metadata: dict[str, str] | None = None
 
@@ -441,12 +474,12 @@ class SaveWeightsForSamplerRequest(WireRequest):
     """Named form: `path`. Ephemeral form: `sampling_session_seq_id` and no `path`."""
 
     type: Literal["save_weights_for_sampler"] = "save_weights_for_sampler"
-    model_id: str
+    model_id: Id
     path: CheckpointName | None = None
-    sampling_session_seq_id: int | None = None
+    sampling_session_seq_id: SampleSeqId | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
+    seq_id: SeqId | None = None
+    ttl_seconds: TtlSeconds | None = None
     user_metadata: dict[str, str] | None = None
 
     @model_validator(mode="after")
@@ -460,11 +493,11 @@ class LoadWeightsRequest(WireRequest):
     """Either into an existing model (`model_id`) or create-via-load (`session_id` + `model_seq_id`)."""
 
     type: Literal["load_weights"] = "load_weights"
-    model_id: str | None = None
-    seq_id: int | None = None
-    session_id: str | None = None
-    model_seq_id: int | None = Field(default=None, ge=0)
-    path: str
+    model_id: Id | None = None
+    seq_id: SeqId | None = None
+    session_id: Id | None = None
+    model_seq_id: Int32 | None = None
+    path: Id
     optimizer: bool = False
     base_model: str | None = None
     user_metadata: dict[str, Any] | None = None
@@ -487,10 +520,10 @@ class LoadWeightsRequest(WireRequest):
 
 class CreateSamplingSessionRequest(WireRequest):
     type: Literal["create_sampling_session"] = "create_sampling_session"
-    session_id: str
-    sampling_session_seq_id: int
-    base_model: str | None = None
-    model_path: str | None = None
+    session_id: Id
+    sampling_session_seq_id: SampleSeqId
+    base_model: Id | None = None
+    model_path: Id | None = None
 
     @model_validator(mode="after")
     def _has_model(self) -> CreateSamplingSessionRequest:
@@ -501,18 +534,18 @@ class CreateSamplingSessionRequest(WireRequest):
 
 class SampleRequest(WireRequest):
     type: Literal["sample"] = "sample"
-    sampling_session_id: str | None = None
-    seq_id: int | None = None
-    base_model: str | None = None
-    model_path: str | None = None
-    num_samples: int = Field(default=1, ge=1)
+    sampling_session_id: Id | None = None
+    seq_id: SampleSeqId | None = None
+    base_model: Id | None = None
+    model_path: Id | None = None
+    num_samples: int = Field(default=1, ge=1, le=MAX_INT32)
     prompt: ModelInput
     sampling_params: SamplingParams
     prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = Field(default=0, ge=0)
-    topk_sample_logprobs: int = Field(default=0, ge=0)
-    prompt_logprobs_last_n: int | None = Field(default=None, ge=1)
-    prompt_alt_tokens_k: int = Field(default=0, ge=0)
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=1024)
+    topk_sample_logprobs: int = Field(default=0, ge=0, le=1024)
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    prompt_alt_tokens_k: int = Field(default=0, ge=0, le=1024)
     target_prompt_logprobs: TensorData | None = None
     """int64 token ids, [len(prompt) - 1, K]; -1 (or an unlisted CSR cell) asks for nothing."""
     record_stability_info: bool = False
@@ -538,12 +571,12 @@ class SampleRequest(WireRequest):
 
 
 class FutureRetrieveRequest(WireRequest):
-    request_id: str
+    request_id: Id
     allow_metadata_only: bool = False
 
 
 class WeightsInfoRequest(WireRequest):
-    tinker_path: str
+    tinker_path: Id
 
 
 # ---------------------------------------------------------------------------------------------

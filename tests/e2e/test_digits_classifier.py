@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from support.live_server import API_KEY, start_server
+from support.live_server import start_server
 
 SCRIPT = Path(__file__).with_name("digits_classifier.py")
 TIME_LIMIT_SECONDS = 15 * 60
@@ -21,7 +21,7 @@ def test_a_tiny_vlm_learns_to_read_digits_through_the_sdk(models_dir, tmp_path):
     started = time.monotonic()
     try:
         run = subprocess.run([sys.executable, str(SCRIPT), "--base-url", server.url, "--log-dir", str(log_dir)],
-                             env=dict(os.environ, TINKER_API_KEY=API_KEY, TINKER_TELEMETRY="0"),
+                             env=dict(os.environ, TINKER_API_KEY=server.api_key, TINKER_TELEMETRY="0"),
                              capture_output=True, text=True, timeout=TIME_LIMIT_SECONDS)
     finally:
         server.stop()

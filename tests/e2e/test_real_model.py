@@ -25,7 +25,7 @@ from integration.cookbook_data import write_chit_chat
 from server.models import smollm2
 from server.models.builtin import ensure_builtin_model
 from support.cookbook import assert_all_finite, link, read_jsonl, run_recipe
-from support.live_server import API_KEY, start_server
+from support.live_server import start_server
 from support.numerics import check_real_model_numerics
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -121,7 +121,7 @@ def test_the_vlm_around_smollm2_trains_on_digit_images_through_the_sdk(models_di
     try:
         run = subprocess.run([sys.executable, str(DIGITS_SCRIPT), "--base-url", server.url, "--base-model",
                               "builtin:" + smollm2.VISION_NAME, "--log-dir", str(log_dir), *DIGITS_ARGS],
-                             env=dict(os.environ, TINKER_API_KEY=API_KEY, TINKER_TELEMETRY="0"),
+                             env=dict(os.environ, TINKER_API_KEY=server.api_key, TINKER_TELEMETRY="0"),
                              capture_output=True, text=True, timeout=RECIPE_SECONDS)
     finally:
         server.stop()

@@ -23,7 +23,7 @@ import tinker_cookbook
 
 from cookbook_data import write_caltech101, write_hh_rlhf
 from support.cookbook import assert_all_finite, link, read_jsonl, run_recipe
-from support.live_server import API_KEY, LiveServer, start_server
+from support.live_server import LiveServer, start_server
 from server.models.builtin import ensure_builtin_model
 
 TEXT_MODEL = "Qwen/Qwen3-8B"  # model_info: renderer qwen3; served by the tiny qwen3
@@ -89,7 +89,7 @@ def test_chat_sl_learns_the_example_conversations_and_resumes_from_its_checkpoin
     records = read_jsonl(log / "checkpoints.jsonl")
     assert records[-1]["name"] == "final" and records[-1]["epoch"] == 2
     # The resumed run keeps the renderer name the recipe gave it, for the next resume or eval.
-    rest = tinker.RestClient(base_url=text_server.url, api_key=API_KEY)
+    rest = tinker.RestClient(base_url=text_server.url, api_key=text_server.api_key)
     assert rest.get_training_run_by_tinker_path(records[-1]["state_path"]).result().user_metadata == \
         {"renderer_name": "qwen3"}
 

@@ -16,7 +16,7 @@ from client_compat.chat import ChatRenderer
 from client_compat.examples.grid_walk import GridWalk, sdk_loop
 from client_compat.rollout import Episode, ImageTokensMismatch
 from server.models.builtin import ensure_builtin_model
-from support.live_server import API_KEY, REPO_ROOT, LiveServer, start_server
+from support.live_server import REPO_ROOT, LiveServer, start_server
 
 MODEL = "builtin:tiny-qwen2-vl"
 
@@ -36,7 +36,7 @@ def client(vlm_server: LiveServer):
 
 def test_the_grid_walk_example_trains_with_the_cookbooks_rl_loop(vlm_server, models_dir, tmp_path):
     log = tmp_path / "grid_walk"
-    env = dict(os.environ, TINKER_API_KEY=API_KEY, TINKER_TELEMETRY="0", PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, TINKER_API_KEY=vlm_server.api_key, TINKER_TELEMETRY="0", PYTHONPATH=str(REPO_ROOT))
     done = subprocess.run(
         [sys.executable, "-m", "client_compat.examples.grid_walk", f"model_name={MODEL}",
          f"model_dir={ensure_builtin_model('tiny-qwen2-vl', models_dir)}", f"base_url={vlm_server.url}",

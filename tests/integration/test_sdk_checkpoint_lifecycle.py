@@ -12,11 +12,8 @@ import sqlalchemy as sa
 import tinker
 from tinker import types
 
-from support.live_server import API_KEY, BASE_MODEL
+from support.live_server import BASE_MODEL
 from support.sdk import SENTENCES, forward_logprobs, supervised_datum
-
-STRANGER_KEY = "tml-lifecycle-stranger"
-
 
 @pytest.fixture(scope="module")
 def owner(lifecycle_server):
@@ -25,20 +22,25 @@ def owner(lifecycle_server):
     data = [supervised_datum(tc.get_tokenizer(), SENTENCES[0])]
     tc.forward_backward(data, "cross_entropy").result()
     tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
-    yield tc, data, tinker.RestClient(base_url=lifecycle_server.url, api_key=API_KEY)
+    yield tc, data, tinker.RestClient(base_url=lifecycle_server.url, api_key=lifecycle_server.api_key)
     service.close("success").result()
 
 
 @pytest.fixture(scope="module")
-def stranger(lifecycle_server):
-    service = lifecycle_server.service_client(api_key=STRANGER_KEY)
-    yield service, tinker.RestClient(base_url=lifecycle_server.url, api_key=STRANGER_KEY)
+def stranger_key(lifecycle_server) -> str:
+    return lifecycle_server.create_key("lifecycle-stranger")
+
+
+@pytest.fixture(scope="module")
+def stranger(lifecycle_server, stranger_key):
+    service = lifecycle_server.service_client(api_key=stranger_key)
+    yield service, tinker.RestClient(base_url=lifecycle_server.url, api_key=stranger_key)
     service.close("success").result()
 
 
-def api(server, method: str, path: str, api_key: str = API_KEY, **kwargs) -> httpx.Response:
+def api(server, method: str, path: str, api_key: str | None = None, **kwargs) -> httpx.Response:
     """A plain HTTP call, where the SDK would retry a 409 for minutes or checks paths before sending."""
-    return httpx.request(method, f"{server.url}/api/v1/{path}", headers={"X-API-Key": api_key, **kwargs.pop(
+    return httpx.request(method, f"{server.url}/api/v1/{path}", headers={**server.headers(api_key), **kwargs.pop(
         "headers", {})}, timeout=60, **kwargs)
 
 
@@ -79,12 +81,12 @@ def test_publishing_lets_other_tenants_read_a_checkpoint_and_only_read_it(lifecy
         stranger_service.create_sampling_client(model_path=sampler_path).result()
 
 
-def test_a_weights_access_token_opens_one_version_of_one_checkpoint(lifecycle_server, owner, stranger):
+def test_a_weights_access_token_opens_one_version_of_one_checkpoint(lifecycle_server, owner, stranger, stranger_key):
     tc, data, rest = owner
     stranger_service, stranger_rest = stranger
     path = tc.save_state("by-token").result().path
     assert api(lifecycle_server, "POST", checkpoint_route(path) + "/access_token",
-               api_key=STRANGER_KEY).status_code == 404
+               api_key=stranger_key).status_code == 404
     token = api(lifecycle_server, "POST", checkpoint_route(path) + "/access_token").json()["weights_access_token"]
     with pytest.raises(tinker.NotFoundError):
         stranger_service.create_training_client_from_state(path, weights_access_token="wat-wrong").result()
@@ -101,7 +103,7 @@ def test_copy_weights_makes_an_independent_copy_in_the_project(lifecycle_server,
     tc, data, rest = owner
     path = tc.save_state("to-copy").result().path
     archive = lifecycle_server.service_client()
-    copied = tinker.ServiceClient(project_id="archive", base_url=lifecycle_server.url, api_key=API_KEY) \
+    copied = tinker.ServiceClient(project_id="archive", base_url=lifecycle_server.url, api_key=lifecycle_server.api_key) \
         .copy_weights(path, ttl_seconds=7200).result()
     copy_run = copied.removeprefix("tinker://").split("/")[0]
     assert copied == f"tinker://{copy_run}/weights/to-copy" and copy_run != tc.model_id
@@ -163,17 +165,17 @@ def test_the_sweeper_deletes_expired_checkpoints_but_not_one_a_live_sampler_uses
     assert not _directory(lifecycle_server, in_use).exists()
 
 
-def test_sessions_are_found_by_name_metadata_project_and_status_a_page_at_a_time(lifecycle_server):
+def test_sessions_are_found_by_name_metadata_project_and_status_a_page_at_a_time(lifecycle_server, stranger_key):
     token = uuid.uuid4().hex[:8]
     services = []
     for index in range(3):
         service = tinker.ServiceClient(user_metadata={"search": token}, display_name=f"Search Me {token} #{index}",
-                                       base_url=lifecycle_server.url, api_key=API_KEY)
+                                       base_url=lifecycle_server.url, api_key=lifecycle_server.api_key)
         service.create_sampling_client(base_model=BASE_MODEL).result()  # opens the session
         services.append(service)
     session_ids = [service.holder.get_session_id() for service in services]
     services[0].close("errored").result()
-    rest = tinker.RestClient(base_url=lifecycle_server.url, api_key=API_KEY)
+    rest = tinker.RestClient(base_url=lifecycle_server.url, api_key=lifecycle_server.api_key)
     rest.assign_session_project(session_ids[1], f"project-{token}").result()
 
     request = types.SessionSearchRequest(display_name=f"search me {token}", limit=1)
@@ -197,7 +199,7 @@ def test_sessions_are_found_by_name_metadata_project_and_status_a_page_at_a_time
     summary = rest.search_sessions(types.SessionSearchRequest(session_id=session_ids[0])).result().sessions[0]
     assert summary.status.type == "client_finished" and summary.status.reason.type == "errored"
     assert summary.display_name == f"Search Me {token} #0" and summary.project_id == "default"
-    stranger = tinker.RestClient(base_url=lifecycle_server.url, api_key=STRANGER_KEY)
+    stranger = tinker.RestClient(base_url=lifecycle_server.url, api_key=stranger_key)
     assert stranger.search_sessions(types.SessionSearchRequest(user_metadata={"search": token})).result().sessions \
         == []
     for service in services[1:]:

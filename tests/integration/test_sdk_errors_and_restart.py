@@ -9,7 +9,7 @@ import pytest
 import tinker
 from tinker import types
 
-from support.live_server import API_KEY, BASE_MODEL, start_server
+from support.live_server import BASE_MODEL, start_server
 from support.sdk import SENTENCES, forward_logprobs, prompt_of, supervised_datum
 
 
@@ -63,7 +63,7 @@ def test_bad_sampling_input_is_a_400(service_client, client_and_data):
 
 def test_malformed_requests_get_a_body_that_says_what_is_wrong(server, client_and_data):
     tc, data = client_and_data
-    with httpx.Client(base_url=server.url, headers={"X-API-Key": API_KEY}, timeout=30) as http:
+    with httpx.Client(base_url=server.url, headers=server.headers(), timeout=30) as http:
         garbage = http.post("/api/v1/forward_backward", content=b"\xff\x00 not protobuf",
                             headers={"Content-Type": "application/x-protobuf"})
         assert garbage.status_code == 400 and "malformed forward_backward" in garbage.json()["detail"]
@@ -124,7 +124,7 @@ def test_closing_a_session_unloads_its_runs_but_keeps_their_checkpoints(server):
     path = tc.save_state("kept").result().path
     # What ServiceClient.close() sends; sent by hand so this client can still try its run afterwards.
     session_id = tc.model_id.split(":train:")[0]
-    finished = httpx.post(f"{server.url}/api/v1/sessions/{session_id}/finish", headers={"X-API-Key": API_KEY},
+    finished = httpx.post(f"{server.url}/api/v1/sessions/{session_id}/finish", headers=server.headers(),
                           json={"reason": {"type": "success"}})
     assert finished.status_code == 200
     with pytest.raises(tinker.RequestFailedError, match="not loaded"):
@@ -138,7 +138,7 @@ def test_a_session_that_stops_heartbeating_is_finished_and_its_runs_leave_memory
     # otherwise keep their adapters and optimizer state in memory for good.
     live = start_server(tmp_path / "data", f"sqlite:///{tmp_path}/journal.db", models_dir, "--session-timeout", "3")
     try:
-        with httpx.Client(base_url=live.url, headers={"X-API-Key": API_KEY}, timeout=30) as http:
+        with httpx.Client(base_url=live.url, headers=live.headers(), timeout=30) as http:
             def create_session_and_run() -> tuple[str, str]:
                 session_id = http.post("/api/v1/create_session", json={}).json()["session_id"]
                 created = http.post("/api/v1/create_model", json={

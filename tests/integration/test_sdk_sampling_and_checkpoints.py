@@ -119,7 +119,8 @@ def test_sampler_checkpoints_load_in_peft(server, service_client, trained):
     tc, tokenizer, data = trained
     path = tc.save_weights_for_sampler("for-peft").result().path
     run_id, _, name = path.removeprefix("tinker://").split("/")
-    adapter_dir = server.data_dir / "checkpoints" / run_id / "sampler_weights" / name
+    # Each save is a version directory of its own; the one listed is the only one left.
+    (adapter_dir,) = (server.data_dir / "checkpoints" / run_id / "sampler_weights" / name).glob("v-*")
     base_dir = server.data_dir / "models" / BASE_MODEL.removeprefix("builtin:")
     np.testing.assert_allclose(peft_logprobs(base_dir, adapter_dir, prompt_of(data[0])),
                                forward_logprobs(tc, data[:1])[0], atol=1e-4)
@@ -148,7 +149,7 @@ def test_rest_listings_and_checkpoint_deletion(service_client, trained):
 
 def test_another_tenant_sees_nothing(server, trained):
     tc, tokenizer, data = trained
-    stranger = server.service_client(api_key="tml-someone-else").create_rest_client()
+    stranger = server.service_client(api_key=server.create_key("someone-else")).create_rest_client()
     assert tc.model_id not in [r.training_run_id for r in stranger.list_training_runs().result().training_runs]
     with pytest.raises(Exception, match="404"):
         stranger.list_checkpoints(tc.model_id).result()

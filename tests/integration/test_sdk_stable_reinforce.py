@@ -89,7 +89,7 @@ def test_claims_the_record_does_not_back_are_400s_and_the_run_goes_on(server, se
         other = other_session.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=32).result()
         with pytest.raises(tinker.BadRequestError, match="was sampled in session .* not in this run's session"):
             other.forward_backward([policy_datum(prompt, recorded, 1.0)], "stable_reinforce").result()
-    with server.service_client(api_key="tml-another-tenant") as stranger:
+    with server.service_client(api_key=server.create_key("another-tenant")) as stranger:
         theirs = stranger.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=33).result()
         with pytest.raises(tinker.BadRequestError, match="unknown or expired"):
             theirs.forward_backward([policy_datum(prompt, recorded, 1.0)], "stable_reinforce").result()

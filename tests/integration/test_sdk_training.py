@@ -11,7 +11,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from support.sdk import SENTENCES, forward_logprobs, prompt_of, supervised_datum
 
-from support.live_server import API_KEY, BASE_MODEL, start_server
+from support.live_server import BASE_MODEL, start_server
 
 ADAM = types.AdamParams(learning_rate=5e-3)
 
@@ -83,7 +83,7 @@ def test_a_repeated_seq_id_is_not_applied_twice(server, service_client, tokenize
 
     # Same run by raw HTTP, every request sent twice with the same seq_id (a lost-response retry).
     tc = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=4).result()
-    headers = {"X-API-Key": API_KEY}
+    headers = server.headers()
     fwdbwd = forward_backward_request_to_proto(types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn="cross_entropy"),
         model_id=tc.model_id, seq_id=1)).SerializeToString()

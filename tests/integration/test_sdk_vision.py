@@ -210,7 +210,8 @@ def test_expected_tokens_mismatch_is_refused_on_both_paths(qwen2_vl):
 
 def test_oversized_and_corrupt_images_are_refused_while_other_clients_keep_training(qwen2_vl, vision_servers):
     service, tc, prompts = qwen2_vl
-    other = vision_servers("qwen2-vl").service_client(api_key="tml-other-tenant")
+    live = vision_servers("qwen2-vl")
+    other = live.service_client(api_key=live.create_key("other-tenant"))
     other_tc = other.create_lora_training_client(base_model="builtin:tiny-qwen2-vl", rank=4, seed=1).result()
     other_data = [prompts.datum(prompts.user_turn([noise(64, 64, seed=13)], "Go on."), "yes")]
     errors: list[Exception] = []

@@ -16,7 +16,7 @@ import pytest
 import tinker
 from tinker import types
 
-from support.live_server import API_KEY, BASE_MODEL
+from support.live_server import BASE_MODEL
 from support.sdk import SENTENCES, forward_logprobs, peft_logprobs, prompt_of, supervised_datum
 
 PEFT_FILES = ["adapter_config.json", "adapter_model.safetensors"]
@@ -39,8 +39,8 @@ def trained(lifecycle_server):
 def sdk_env(lifecycle_server, monkeypatch):
     """What the CLI and the cookbook read to find the server."""
     monkeypatch.setenv("TINKER_BASE_URL", lifecycle_server.url)
-    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
-    return {"TINKER_BASE_URL": lifecycle_server.url, "TINKER_API_KEY": API_KEY}
+    monkeypatch.setenv("TINKER_API_KEY", lifecycle_server.api_key)
+    return {"TINKER_BASE_URL": lifecycle_server.url, "TINKER_API_KEY": lifecycle_server.api_key}
 
 
 def base_dir(server) -> Path:
@@ -59,7 +59,7 @@ def test_external_weights_download_with_the_cookbook_and_load_in_peft(lifecycle_
     tc, data = trained
     path = tc.save_weights_external("final").result().path
     assert path == f"tinker://{tc.model_id}/external_weights/final"
-    rest = tinker.RestClient(base_url=lifecycle_server.url, api_key=API_KEY)
+    rest = tinker.RestClient(base_url=lifecycle_server.url, api_key=lifecycle_server.api_key)
     listed = {c.tinker_path: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
     assert listed[path].checkpoint_type == "external" and listed[path].size_bytes > 0
     weights.download(tinker_path=path, output_dir=str(tmp_path / "adapter"), base_url=lifecycle_server.url)
@@ -75,7 +75,7 @@ def test_a_training_checkpoint_downloads_through_an_encrypted_export_with_the_co
     # The cookbook loads the checkpoint into a new run, exports it encrypted to a fresh age key, decrypts, deletes.
     weights.download(tinker_path=state, output_dir=str(tmp_path / "adapter"), base_url=lifecycle_server.url)
     assert_peft_matches_trainer(lifecycle_server, tmp_path / "adapter", tc, data)
-    rest = tinker.RestClient(base_url=lifecycle_server.url, api_key=API_KEY)
+    rest = tinker.RestClient(base_url=lifecycle_server.url, api_key=lifecycle_server.api_key)
     exports = [c for c in rest.list_user_checkpoints(limit=1000).result().checkpoints
                if c.checkpoint_type == "external" and c.checkpoint_id == "external_weights/download"]
     assert exports == []
@@ -92,7 +92,7 @@ def test_tinker_checkpoint_download_cli_and_the_push_hf_download_step(lifecycle_
     (downloaded,) = (tmp_path / "cli").iterdir()
     assert_peft_matches_trainer(lifecycle_server, downloaded, tc, data)
     # push-hf downloads with exactly this function before it uploads to the hub (not reachable here).
-    rest = tinker.RestClient(base_url=lifecycle_server.url, api_key=API_KEY)
+    rest = tinker.RestClient(base_url=lifecycle_server.url, api_key=lifecycle_server.api_key)
     _download_checkpoint(rest, state, tmp_path / "push-hf", show_progress=False, format="json")
     assert_peft_matches_trainer(lifecycle_server, tmp_path / "push-hf", tc, data)
 
@@ -104,7 +104,7 @@ def test_exports_encrypt_to_ssh_and_native_age_recipients(lifecycle_server, trai
     ssh_identity = pyrage.ssh.Identity.from_buffer((tmp_path / "key").read_bytes())
     path = tc.save_weights_external("sealed", age_encryption_recipients=[
         (tmp_path / "key.pub").read_text().strip(), str(native.to_public())]).result().path
-    rest = tinker.RestClient(base_url=lifecycle_server.url, api_key=API_KEY)
+    rest = tinker.RestClient(base_url=lifecycle_server.url, api_key=lifecycle_server.api_key)
     urls = rest.get_external_weights_urls(path).result().urls
     assert sorted(urls) == [f"{name}.age" for name in PEFT_FILES]
     for identity, directory in ((native, tmp_path / "native"), (ssh_identity, tmp_path / "ssh")):
@@ -127,7 +127,7 @@ def test_bad_recipients_are_a_400_and_the_run_goes_on(trained):
 def test_signed_urls_need_their_signature_and_stop_working_when_the_checkpoint_is_deleted(lifecycle_server, trained):
     tc, data = trained
     path = tc.save_weights_external("short-lived").result().path
-    rest = tinker.RestClient(base_url=lifecycle_server.url, api_key=API_KEY)
+    rest = tinker.RestClient(base_url=lifecycle_server.url, api_key=lifecycle_server.api_key)
     response = rest.get_external_weights_urls(path).result()
     url = response.urls["adapter_config.json"]
     with urllib.request.urlopen(url) as download:  # no API key: the signature is the permission
@@ -144,7 +144,7 @@ def test_signed_urls_need_their_signature_and_stop_working_when_the_checkpoint_i
     # The SDK only asks for URLs of external_weights paths; the server refuses the others itself.
     state = tc.save_state("not-external").result().path
     answer = httpx.get(f"{lifecycle_server.url}/api/v1/training_runs/{tc.model_id}/checkpoints/weights/not-external"
-                       f"/external_weights_urls", headers={"X-API-Key": API_KEY})
+                       f"/external_weights_urls", headers=lifecycle_server.headers())
     assert answer.status_code == 400 and "not an external weights checkpoint" in answer.json()["detail"], state
     rest.delete_checkpoint_from_tinker_path(path).result()
     with pytest.raises(urllib.error.HTTPError) as gone:

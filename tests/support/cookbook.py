@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from support.live_server import API_KEY, LiveServer
+from support.live_server import LiveServer
 
 
 def link(name: Path, target: Path) -> None:
@@ -25,7 +25,7 @@ def link(name: Path, target: Path) -> None:
 
 def run_recipe(server: LiveServer, workdir: Path, module: str, *args: str, timeout: float = 300) -> str:
     """Run `python -m tinker_cookbook.recipes.<module> args...` as a user would; its output, or fail with it."""
-    env = dict(os.environ, TINKER_BASE_URL=server.url, TINKER_API_KEY=API_KEY, TINKER_TELEMETRY="0",
+    env = dict(os.environ, TINKER_BASE_URL=server.url, TINKER_API_KEY=server.api_key, TINKER_TELEMETRY="0",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(workdir / "hf-home"),
                TINKER_COOKBOOK_RUNS_DIR=str(workdir / "runs"))
     done = subprocess.run([sys.executable, "-m", f"tinker_cookbook.recipes.{module}", *args], cwd=workdir, env=env,

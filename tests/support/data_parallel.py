@@ -35,7 +35,8 @@ def train(server) -> dict:
     metrics = tc.optim_step(ADAM).result().metrics
     path = tc.save_state("after").result().path
     run_id, _, name = path.removeprefix("tinker://").split("/")
-    adapter = load_file(server.data_dir / "checkpoints" / run_id / "weights" / name / "adapter_model.safetensors")
+    (version,) = (server.data_dir / "checkpoints" / run_id / "weights" / name).glob("v-*")
+    adapter = load_file(version / "adapter_model.safetensors")
     return {"losses": losses + [single.metrics["loss:sum"]], "grad_norm": metrics["grad_norm:mean"],
             "logprobs": forward_logprobs(tc, data), "adapter": adapter}
 

@@ -1,9 +1,12 @@
 """A live server: `python -m server` in a subprocess on a free port, for the tests and the benchmarks.
 
-The real `tinker` SDK talks to it over HTTP, exactly as a user's script would.
+The real `tinker` SDK talks to it over HTTP, exactly as a user's script would, with API keys got the
+way users get them: the key the server prints on its first start, and keys an operator issues with
+`python -m server keys create --tenant NAME` on the server's database.
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,8 +19,9 @@ import tinker
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE_MODEL = "builtin:tiny-qwen3"
-API_KEY = "tml-integration-tests"
 STARTUP_SECONDS = 120
+# The first start's banner shows the default tenant's key on a line of its own.
+_BANNER_KEY = re.compile(r"^\s+(tml-[A-Za-z0-9_-]+)\s*$", re.MULTILINE)
 
 
 class ServerFailedToStart(RuntimeError):
@@ -31,9 +35,25 @@ class LiveServer:
     database_url: str | None
     process: subprocess.Popen
     log_path: Path
+    api_key: str = ""
+    """A key of the default tenant: the one the first start printed, else one issued for it."""
 
-    def service_client(self, api_key: str = API_KEY) -> tinker.ServiceClient:
-        return tinker.ServiceClient(base_url=self.url, api_key=api_key)
+    def service_client(self, api_key: str | None = None) -> tinker.ServiceClient:
+        return tinker.ServiceClient(base_url=self.url, api_key=api_key or self.api_key)
+
+    def headers(self, api_key: str | None = None) -> dict[str, str]:
+        """Headers for raw HTTP calls."""
+        return {"X-API-Key": api_key or self.api_key}
+
+    def keys_command(self, *args: str) -> subprocess.CompletedProcess:
+        """`python -m server keys ARGS` on this server's database, as its operator runs it."""
+        database = ["--database-url", self.database_url] if self.database_url is not None else []
+        return subprocess.run([sys.executable, "-m", "server", "keys", *args, "--data-dir", str(self.data_dir),
+                               *database], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=True)
+
+    def create_key(self, tenant: str, *, admin: bool = False) -> str:
+        """Issue a new API key for `tenant`."""
+        return self.keys_command("create", "--tenant", tenant, *(["--admin"] if admin else [])).stdout.strip()
 
     def log(self) -> str:
         return self.log_path.read_text()[-5000:]
@@ -82,6 +102,8 @@ def start_server(data_dir: Path, database_url: str | None, models_dir: Path | No
             raise ServerFailedToStart(f"server exited with {process.returncode}:\n{server.log()}")
         try:
             if httpx.get(f"{server.url}/api/v1/healthz", timeout=2).status_code == 200:
+                printed = _BANNER_KEY.search(log_path.read_text())
+                server.api_key = printed.group(1) if printed else server.create_key("default")
                 return server
         except httpx.HTTPError:
             pass

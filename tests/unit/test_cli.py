@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from server.config import DEFAULT_VLLM_PYTHON, REPO_ROOT, ModelConfig, build_arg_parser, parse_config
+from server.config import (DEFAULT_VLLM_PYTHON, REPO_ROOT, ModelConfig, build_arg_parser, build_keys_arg_parser,
+                           parse_config, parse_keys_command)
 
 CLI_OPTIONS = {
     "-h", "--help",
@@ -25,6 +26,13 @@ CLI_OPTIONS = {
     "--feature-cache-mb",
     "--session-timeout",
     "--checkpoint-sweep-interval",
+    "--auth",
+    "--max-lora-rank",
+    "--max-sampled-tokens-per-request",
+    "--max-runs-per-tenant",
+    "--max-stored-gb-per-tenant",
+    "--seq-gap-timeout",
+    "--shutdown-timeout",
     "--gpus",
     "--activation-checkpointing",
     "--microbatch-tokens",
@@ -39,12 +47,48 @@ CLI_OPTIONS = {
     "--vllm-max-cpu-loras",
     "--vllm-args",
 }
+KEYS_CLI_OPTIONS = {
+    "create": {"-h", "--help", "--tenant", "--admin", "--label", "--data-dir", "--database-url"},
+    "list": {"-h", "--help", "--tenant", "--data-dir", "--database-url"},
+    "revoke": {"-h", "--help", "--data-dir", "--database-url"},
+}
 DATABASE_URL_ENV = "TINKER_SERVER_DATABASE_URL"
 
 
 def test_the_cli_has_exactly_the_frozen_set_of_options():
     parser = build_arg_parser()
     assert {option for action in parser._actions for option in action.option_strings} == CLI_OPTIONS
+
+
+def test_the_keys_cli_has_exactly_the_frozen_commands_and_options():
+    actions = next(a for a in build_keys_arg_parser()._actions if a.dest == "action")
+    assert {name: {o for a in sub._actions for o in a.option_strings}
+            for name, sub in actions.choices.items()} == KEYS_CLI_OPTIONS
+
+
+def test_keys_commands_find_the_servers_database_like_the_server(tmp_path, monkeypatch):
+    monkeypatch.delenv(DATABASE_URL_ENV, raising=False)
+    command = parse_keys_command(["create", "--tenant", "alice", "--admin", "--data-dir", str(tmp_path)])
+    assert (command.action, command.tenant, command.admin) == ("create", "alice", True)
+    assert command.database_url == parse_config(["--base-model", "m", "--data-dir", str(tmp_path)]).store.database_url
+    assert parse_keys_command(["revoke", "key-1234"]).key_id == "key-1234"
+
+
+def test_limits_and_lifecycle_flags_reach_the_config():
+    config = parse_config(["--base-model", "m", "--max-lora-rank", "16", "--max-sampled-tokens-per-request", "99",
+                           "--max-runs-per-tenant", "3", "--max-stored-gb-per-tenant", "0.5", "--seq-gap-timeout",
+                           "7", "--shutdown-timeout", "9"])
+    limits = config.limits
+    assert (limits.max_lora_rank, limits.max_sampled_tokens_per_request, limits.max_runs_per_tenant) == (16, 99, 3)
+    assert (limits.max_stored_bytes_per_tenant, limits.seq_gap_timeout_seconds) == (1 << 29, 7)
+    assert (config.auth, config.shutdown_timeout_seconds) == ("keys", 9)
+
+
+def test_auth_none_is_refused_on_a_host_others_can_reach():
+    assert parse_config(["--base-model", "m", "--auth", "none"]).auth == "none"
+    assert parse_config(["--base-model", "m", "--auth", "none", "--host", "::1"]).auth == "none"
+    with pytest.raises(ValueError, match="loopback"):
+        parse_config(["--base-model", "m", "--auth", "none", "--host", "0.0.0.0"])
 
 
 def test_base_model_is_the_only_required_flag(capsys):

@@ -46,9 +46,9 @@ def sample_from(store: Store, record: CheckpointRecord, session_id: str, samplin
                                                         model_path=record.tinker_path))
 
 
-def sweep(store: Store, pins: CheckpointPins | None = None) -> list[str]:
+def sweep(store: Store, checkpoint_dir: Path, pins: CheckpointPins | None = None) -> list[str]:
     released = []
-    removed = sweep_expired_checkpoints(store, pins or CheckpointPins(), NOW,
+    removed = sweep_expired_checkpoints(store, pins or CheckpointPins(), NOW, checkpoint_dir,
                                         lambda record: released.append(record.tinker_path))
     assert removed == released
     return removed
@@ -58,19 +58,19 @@ def test_only_checkpoints_past_their_expiry_go_with_their_files(store, tmp_path)
     expired = save(store, tmp_path, "expired", expires_at=NOW - timedelta(seconds=1))
     later = save(store, tmp_path, "later", expires_at=NOW + timedelta(seconds=1))
     forever = save(store, tmp_path, "forever", expires_at=None)
-    assert sweep(store) == [expired.tinker_path]
+    assert sweep(store, tmp_path) == [expired.tinker_path]
     assert store.get_checkpoint(expired.tinker_path) is None and not Path(expired.directory).exists()
     for kept in (later, forever):
         assert store.get_checkpoint(kept.tinker_path) == kept and Path(kept.directory).exists()
-    assert sweep(store) == []
+    assert sweep(store, tmp_path) == []
 
 
 def test_a_checkpoint_sampled_by_a_live_session_stays_until_the_session_finishes(store, tmp_path):
     record = save(store, tmp_path, "sampled", expires_at=NOW - timedelta(hours=1))
     sample_from(store, record, "s2", "s2:sample:0")
-    assert sweep(store) == [] and Path(record.directory).exists()
+    assert sweep(store, tmp_path) == [] and Path(record.directory).exists()
     store.finish_session("s2", "success")
-    assert sweep(store) == [record.tinker_path]
+    assert sweep(store, tmp_path) == [record.tinker_path]
 
 
 def test_a_checkpoint_with_a_sample_request_still_pending_stays_until_it_finishes(store, tmp_path):
@@ -78,9 +78,9 @@ def test_a_checkpoint_with_a_sample_request_still_pending_stays_until_it_finishe
     sample_from(store, record, "s2", "s2:sample:0")
     store.finish_session("s2", "success")
     store.insert_future(request_id="r1", request_type="Sample", model_id="s2:sample:0", seq_id=0, payload_hash="h")
-    assert sweep(store) == []
+    assert sweep(store, tmp_path) == []
     store.complete_future("r1", result=b"", content_type="application/x-protobuf")
-    assert sweep(store) == [record.tinker_path]
+    assert sweep(store, tmp_path) == [record.tinker_path]
 
 
 def test_a_pinned_checkpoint_stays_until_its_last_pin_is_released(store, tmp_path):
@@ -88,11 +88,11 @@ def test_a_pinned_checkpoint_stays_until_its_last_pin_is_released(store, tmp_pat
     pins = CheckpointPins()
     pins.acquire(record.tinker_path)
     pins.acquire(record.tinker_path)
-    assert sweep(store, pins) == []
+    assert sweep(store, tmp_path, pins) == []
     pins.release(record.tinker_path)
-    assert sweep(store, pins) == []
+    assert sweep(store, tmp_path, pins) == []
     pins.release(record.tinker_path)
-    assert sweep(store, pins) == [record.tinker_path]
+    assert sweep(store, tmp_path, pins) == [record.tinker_path]
 
 
 def test_a_checkpoint_saved_again_or_given_a_new_ttl_after_it_was_read_is_not_deleted(store, tmp_path):

@@ -298,3 +298,46 @@ def test_sqlite_runs_in_wal_mode_with_foreign_keys_and_a_busy_timeout(tmp_path):
     # The journal mode is a property of the file, so a plain connection sees it too.
     with closing(sqlite3.connect(tmp_path / "server.db")) as connection:
         assert connection.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def test_api_keys_are_stored_as_hashes_found_by_hash_and_refused_once_revoked(store: Store):
+    from server.store.api_keys import hash_api_key, issue_api_key
+
+    assert not store.has_api_keys()
+    key, record = issue_api_key(store, "alice", label="laptop")
+    admin_key, _ = issue_api_key(store, "ops", admin=True)
+    assert key.startswith("tml-") and len(key) > 40 and key != admin_key
+    with store.engine.connect() as connection:
+        stored = [tuple(row) for row in connection.execute(sa.text("SELECT * FROM api_keys"))]
+    assert not any(key in str(value) for row in stored for value in row)  # only the hash is kept
+    assert store.find_api_key(hash_api_key(key)).tenant == "alice"
+    assert store.find_api_key(hash_api_key(admin_key)).admin
+    assert store.find_api_key(hash_api_key("tml-guess")) is None
+    assert [k.tenant for k in store.list_api_keys()] == ["alice", "ops"]
+    assert store.revoke_api_key(record.key_id) and not store.revoke_api_key(record.key_id)
+    assert store.find_api_key(hash_api_key(key)) is None
+    assert store.list_api_keys("alice")[0].revoked_at is not None and store.has_api_keys()
+    with pytest.raises(ValueError, match="tenant name"):
+        issue_api_key(store, "no spaces please")
+
+
+def test_a_tenant_counts_its_runs_in_open_sessions_and_its_stored_checkpoint_bytes(store: Store):
+    make_session(store, "s1")
+    make_session(store, "s2")
+    make_session(store, "s3", owner="bob")
+    store.create_training_run(make_run("s1", 0))
+    store.create_training_run(make_run("s2", 0))
+    store.create_training_run(make_run("s3", 0, owner="bob"))
+    assert store.count_active_training_runs("alice") == 2
+    store.finish_session("s1", "success")
+    assert store.count_active_training_runs("alice") == 1 and store.count_active_training_runs("bob") == 1
+    store.add_checkpoint(make_checkpoint("a", T0, model_id="s1:train:0"))
+    store.add_checkpoint(make_checkpoint("b", T0, model_id="s2:train:0"))
+    assert store.stored_checkpoint_bytes("alice") == 2 * make_checkpoint("a", T0).size_bytes
+    assert store.stored_checkpoint_bytes("bob") == 0
+
+
+def test_seq_ids_past_32_bits_fit_the_journal(store: Store):
+    # Sampling clones number their requests clone_id * 1e9 + k.
+    record = insert_future(store, "clone", model_id="s:sample:0", seq_id=999_999_999 * 10**9 + 7, owner="alice")
+    assert (record.seq_id, record.owner) == (999_999_999 * 10**9 + 7, "alice")

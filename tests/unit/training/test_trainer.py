@@ -430,6 +430,29 @@ def test_two_optim_steps_equal_torch_adamw_with_every_adam_params_field(trainer)
         assert not all_close(after, reference_adamw(start, grads_per_step, ignored), rtol=1e-5, atol=1e-6), field
 
 
+def test_a_non_finite_gradient_is_refused_and_leaves_weights_and_optimizer_state_as_they_were(trainer):
+    model_id = create_run(trainer)
+    trainer.forward_backward(model_id, sft_batch(13, [6], trainer.base.vocab_size), "cross_entropy", None,
+                             forward_only=False)
+    trainer.optim_step(model_id, ADAM)
+    run = trainer.models[model_id]
+    before = parameters(trainer, model_id)
+    moments = [tensor.clone() for state in run.optimizer.state.values() for tensor in state.values()]
+    trainer.forward_backward(model_id, sft_batch(14, [6], trainer.base.vocab_size), "cross_entropy", None,
+                             forward_only=False)
+    next(t for t in run.adapter.parameters() if t.grad is not None).grad[0] = float("nan")
+
+    with pytest.raises(InvalidRequest, match="not finite.*not applied"):
+        trainer.optim_step(model_id, ADAM)
+
+    assert_all_close(parameters(trainer, model_id), before, rtol=0, atol=0)
+    assert_all_close([t for state in run.optimizer.state.values() for t in state.values()], moments, rtol=0, atol=0)
+    assert run.num_steps == 1 and all(p.grad is None for p in run.adapter.parameters())
+    trainer.forward_backward(model_id, sft_batch(14, [6], trainer.base.vocab_size), "cross_entropy", None,
+                             forward_only=False)
+    assert np.isfinite(trainer.optim_step(model_id, ADAM)["grad_norm:mean"])  # the run goes on
+
+
 def test_grad_clip_norm_clips_the_global_norm_and_the_reported_norm_is_the_pre_clip_one(trainer):
     model_id = create_run(trainer)
     start = parameters(trainer, model_id)

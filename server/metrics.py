@@ -1,0 +1,65 @@
+"""Prometheus metrics of one server: HTTP requests, per-run queue depth, request latency, tokens, GPU memory.
+
+`ServerMetrics` owns its own registry (so several apps in one process never collide) and is written
+to by the middleware in app.py, the scheduler and the routes; `GET /metrics` renders it. It knows
+nothing about what the requests do.
+"""
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.http_requests = Counter("tinker_http_requests", "HTTP requests by route template, method and status",
+                                     ["route", "method", "status"], registry=self.registry)
+        self.request_seconds = Histogram(
+            "tinker_request_seconds", "Time a request's work ran on its worker thread (forward_backward, "
+            "optim_step, checkpoints, sampling), by request type and outcome", ["request_type", "outcome"],
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.queue_depth = Gauge("tinker_run_queue_depth", "Requests of a training run queued or running",
+                                 ["model_id"], registry=self.registry)
+        self.tokens = Counter("tinker_tokens", "Tokens processed: trained (forward/backward input positions) and "
+                              "sampled (generated); rate() gives tokens/s", ["kind"], registry=self.registry)
+        self.unjournaled = Gauge("tinker_unjournaled_outcomes", "Finished requests whose outcome the journal "
+                                 "could not take yet (disk full); answered from memory meanwhile",
+                                 registry=self.registry)
+        self.registry.register(_GpuMemory())
+
+    def observe_request(self, request_type: str, outcome: str, seconds: float) -> None:
+        self.request_seconds.labels(request_type, outcome).observe(seconds)
+
+    def set_queue_depth(self, model_id: str, depth: int) -> None:
+        self.queue_depth.labels(model_id).set(depth)
+
+    def forget_run(self, model_id: str) -> None:
+        try:
+            self.queue_depth.remove(model_id)
+        except KeyError:
+            pass
+
+    def count_tokens(self, kind: str, count: int) -> None:
+        self.tokens.labels(kind).inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _GpuMemory:
+    """GPU memory of this process, read at scrape time."""
+
+    def collect(self):
+        allocated = GaugeMetricFamily("tinker_gpu_memory_allocated_bytes", "Memory held by tensors, per GPU",
+                                      labels=["device"])
+        reserved = GaugeMetricFamily("tinker_gpu_memory_reserved_bytes", "Memory reserved by the caching "
+                                     "allocator, per GPU", labels=["device"])
+        if torch.cuda.is_available():
+            for index in range(torch.cuda.device_count()):
+                allocated.add_metric([str(index)], torch.cuda.memory_allocated(index))
+                reserved.add_metric([str(index)], torch.cuda.memory_reserved(index))
+        yield allocated
+        yield reserved

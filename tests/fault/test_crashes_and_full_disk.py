@@ -1,0 +1,241 @@
+"""kill -9 during checkpoint overwrites, a second server on the same data, a full disk, SIGTERM mid-request."""
+
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from support.live_server import BASE_MODEL, REPO_ROOT, LiveServer, start_server
+from support.raw_run import RawRun
+from support.sdk import SENTENCES, supervised_datum
+
+KILLS = 3
+
+
+def _journal_path(server: LiveServer) -> Path:
+    if server.database_url:
+        return Path(server.database_url.removeprefix("sqlite:///"))
+    return server.data_dir / "server.db"
+
+
+def _pending_futures(server: LiveServer) -> int:
+    with sqlite3.connect(f"file:{_journal_path(server)}?mode=ro", uri=True) as journal:
+        return journal.execute("SELECT count(*) FROM futures WHERE status = 'pending'").fetchone()[0]
+
+
+def _overwrite_until_killed(server: LiveServer, completed: list[str], stop: threading.Event) -> None:
+    """Train and overwrite one sampler checkpoint and one training checkpoint back to back, noting each save
+    that completed (raw HTTP, so the thread ends as soon as the server is gone)."""
+    try:
+        with httpx.Client(base_url=server.url, headers=server.headers(), timeout=60) as http:
+            run = RawRun(http)
+            while not stop.is_set():
+                for path, fields in (("/api/v1/forward_backward", None),
+                                     ("/api/v1/optim_step", {"adam_params": {"learning_rate": 1e-3}}),
+                                     ("/api/v1/save_weights_for_sampler", {"path": "keep"}),
+                                     ("/api/v1/save_weights", {"path": "keep-state", "overwrite": True})):
+                    assert _outcome(run, path, fields) == "complete"
+                    if fields and "path" in fields:
+                        segment = "sampler_weights" if path.endswith("for_sampler") else "weights"
+                        completed.append(f"tinker://{run.model_id}/{segment}/{fields['path']}")
+    except (httpx.HTTPError, AssertionError):  # the server was killed under it
+        pass
+
+
+def test_kill_9_during_checkpoint_overwrites_never_loses_or_halves_a_checkpoint(models_dir, tmp_path):
+    data_dir, rng = tmp_path / "data", random.Random(16)
+    completed: list[str] = []
+    server = start_server(data_dir, None, models_dir)
+    for kill in range(KILLS):
+        stop = threading.Event()
+        writer = threading.Thread(target=_overwrite_until_killed, args=(server, completed, stop), daemon=True)
+        saved_before = len(completed)
+        writer.start()
+        deadline = time.monotonic() + 120
+        while len(completed) < saved_before + 2 and time.monotonic() < deadline:  # each kind saved once
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 1.5))
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait()
+        stop.set()
+        writer.join(timeout=30)
+        server = start_server(data_dir, None, models_dir)
+        _check_every_completed_checkpoint_loads(server, set(completed), data_dir)
+    server.stop()
+    print(f"kill -9 during overwrites: {KILLS} kills, {len(completed)} completed saves, 0 lost, 0 half-written")
+
+
+def _check_every_completed_checkpoint_loads(server: LiveServer, completed: set[str], data_dir: Path) -> None:
+    rest = tinker.RestClient(base_url=server.url, api_key=server.api_key)
+    listed = {c.tinker_path for c in rest.list_user_checkpoints(limit=1000).result().checkpoints}
+    assert completed <= listed, f"completed checkpoints missing after the restart: {completed - listed}"
+    service = server.service_client()
+    for path in sorted(listed):
+        if "/sampler_weights/" in path:
+            sampler = service.create_sampling_client(model_path=path).result()
+            assert sampler.compute_logprobs(types.ModelInput.from_ints([5, 6, 7])).result()[1] is not None
+        else:
+            service.create_training_client_from_state_with_optimizer(path).result()
+    versions = {str(p) for p in (data_dir / "checkpoints").glob("*/*/*/v-*")}
+    assert versions == _listed_directories(server), "unlisted checkpoint files survived the restart"
+
+
+def _listed_directories(server: LiveServer) -> set[str]:
+    with sqlite3.connect(f"file:{_journal_path(server)}?mode=ro", uri=True) as journal:
+        return {row[0] for row in journal.execute("SELECT directory FROM checkpoints")}
+
+
+def test_a_second_server_on_the_same_data_directory_refuses_to_start_and_the_first_goes_on(fault_server):
+    second = subprocess.run([sys.executable, "-m", "server", "--base-model", BASE_MODEL, "--port", "1",
+                             "--data-dir", str(fault_server.data_dir)], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=300, env=dict(os.environ, TINKER_TELEMETRY="0"))
+    assert second.returncode != 0
+    refusal = f"another server (pid {fault_server.process.pid}) already uses the data directory"
+    assert refusal in second.stdout + second.stderr
+    tc = fault_server.service_client().create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+    data = [supervised_datum(tc.get_tokenizer(), SENTENCES[1])]
+    assert tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+@pytest.fixture
+def small_disks(tmp_path) -> Iterator[tuple[Path, Path]]:
+    """Two 32 MiB tmpfs mounts: one for the journal database, one for the data directory (checkpoints)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    mounts = (tmp_path / "journal-disk", tmp_path / "data-disk")
+    for mount in mounts:
+        mount.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mount)], check=True)
+    yield mounts
+    for mount in mounts:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _fill(directory: Path, leave_bytes: int = 0) -> Path:
+    """Fill the file system of `directory`, then give `leave_bytes` back."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(b"\x00" * (1 << 20))
+        except OSError:
+            pass
+        try:
+            while True:
+                handle.write(b"\x00" * 4096)
+        except OSError:
+            pass
+    os.truncate(filler, max(0, filler.stat().st_size - leave_bytes))
+    return filler
+
+
+def test_a_full_disk_fails_requests_clearly_ends_every_future_and_recovers_when_space_is_freed(models_dir,
+                                                                                               small_disks):
+    journal_disk, data_disk = small_disks
+    server = start_server(data_disk / "data", f"sqlite:///{journal_disk}/server.db", models_dir)
+    answers: dict[str, str] = {}
+    try:
+        with httpx.Client(base_url=server.url, headers=server.headers(), timeout=120) as http:
+            run = RawRun(http)
+            assert _outcome(run, "/api/v1/save_weights", {"path": "before-full"}) == "complete"
+            # The checkpoint disk fills: saves fail and leave nothing behind, the rest of the run goes on.
+            filler = _fill(data_disk)
+            answers["checkpoints full: save_weights"] = _outcome(run, "/api/v1/save_weights", {"path": "x"})
+            answers["checkpoints full: save_weights_for_sampler"] = _outcome(
+                run, "/api/v1/save_weights_for_sampler", {"path": "x"})
+            answers["checkpoints full: forward_backward"] = _outcome(run, "/api/v1/forward_backward")
+            assert answers["checkpoints full: save_weights"].startswith("failed: the server's disk is full"), answers
+            assert answers["checkpoints full: forward_backward"] == "complete", answers
+            filler.unlink()
+            # The journal's disk fills.
+            filler = _fill(journal_disk)
+            # Whatever is sent while the disk is full ends, with its result or a clear error; a submission the
+            # journal cannot take is a 507 that the SDK retries.
+            answers["create_session"] = _status(http.post("/api/v1/create_session", json={}))
+            answers["forward_backward"] = _outcome(run, "/api/v1/forward_backward")
+            answers["save_weights"] = _outcome(run, "/api/v1/save_weights", {"path": "during-full"})
+            answers["save_weights_for_sampler"] = _outcome(run, "/api/v1/save_weights_for_sampler",
+                                                           {"path": "during-full"})
+            answers["optim_step"] = _outcome(run, "/api/v1/optim_step", {"adam_params": {"learning_rate": 1e-3}})
+            sample = http.post("/api/v1/asample", json={"base_model": BASE_MODEL, "sampling_params": {"max_tokens": 2},
+                                                        "prompt": {"chunks": [{"type": "encoded_text",
+                                                                               "tokens": [5, 6]}]}})
+            answers["asample"] = _status(sample) if sample.status_code != 200 else _state(
+                run.result(sample.json()["request_id"]))
+            for name, answer in answers.items():
+                assert answer in ("complete", "200") or "disk is full" in answer, (name, answer)
+                assert str(data_disk) not in answer and str(journal_disk) not in answer, (name, answer)
+            filler.unlink()  # the operator frees space
+            # The run goes on; nothing half-saved is listed and everything listed loads.
+            assert _outcome(run, "/api/v1/forward_backward") == "complete"
+            assert _outcome(run, "/api/v1/save_weights", {"path": "after-full"}) == "complete"
+            listed = {c["tinker_path"] for c in http.get(f"/api/v1/training_runs/{run.model_id}/checkpoints")
+                      .json()["checkpoints"]}
+            assert {f"tinker://{run.model_id}/weights/before-full", f"tinker://{run.model_id}/weights/after-full"} \
+                <= listed
+            service = server.service_client()
+            for path in listed:
+                if "/sampler_weights/" in path:
+                    service.create_sampling_client(model_path=path).result()
+                else:
+                    service.create_training_client_from_state(path).result()
+            metrics = http.get("/metrics").text
+            assert 'status="500"' not in metrics, [line for line in metrics.splitlines() if 'status="500"' in line]
+            deadline = time.monotonic() + 30  # outcomes kept in memory reach the journal on the next round
+            while _pending_futures(server) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert _pending_futures(server) == 0
+        print(f"full disk: {answers}")
+    finally:
+        server.stop()
+
+
+def _status(response: httpx.Response) -> str:
+    return str(response.status_code) if response.status_code == 200 else \
+        f"{response.status_code}: {response.json()['detail']}"
+
+
+def _state(result: dict | bytes) -> str:
+    return "complete" if isinstance(result, bytes) or "error" not in result else f"failed: {result['error']}"
+
+
+def _outcome(run: RawRun, path: str, fields: dict | None = None) -> str:
+    """Send one request of the run (its next seq_id) and wait for its outcome: complete, failed: ..., or the
+    HTTP refusal of a submission the journal could not take (then the same seq_id is sent again later)."""
+    seq_id = run.next_seq_id()
+    if path == "/api/v1/forward_backward":
+        response = run.forward(run.forward_body(seq_id))
+    else:
+        response = run.http.post(path, json={"model_id": run.model_id, "seq_id": seq_id, **(fields or {})})
+    if response.status_code != 200:
+        run.seq_id -= 1  # not journaled: the slot is still free
+        return _status(response)
+    return _state(run.result(response.json()["request_id"]))
+
+
+def test_sigterm_stops_within_the_shutdown_timeout_and_fails_what_was_running(models_dir, tmp_path):
+    server = start_server(tmp_path / "data", None, models_dir, "--shutdown-timeout", "2")
+    sampler = server.service_client().create_sampling_client(base_model=BASE_MODEL).result()
+    long_sample = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 8,
+                                 types.SamplingParams(max_tokens=8192, stop=[]))
+    time.sleep(2)  # the sample is running
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    server.process.wait(timeout=60)
+    took = time.monotonic() - started
+    log = server.log_path.read_text()
+    assert "event=shutdown " in log and "failed_running=1" in log, log[-2000:]
+    assert took < 2 + 3 + 10, took  # the shutdown timeout, the open-connection grace, start-up of nothing new
+    assert _pending_futures(server) == 0
+    del long_sample
