@@ -15,6 +15,7 @@ ARCHITECTURES = (
     ("Qwen3VLMoeForConditionalGeneration", "vllm.model_executor.models.qwen3_vl_moe"),
     ("Qwen2ForCausalLM", "vllm.model_executor.models.qwen2"),
     ("Qwen3ForCausalLM", "vllm.model_executor.models.qwen3"),
+    ("LlamaForCausalLM", "vllm.model_executor.models.llama"),
 )
 PREFIX = "Tinker"
 
