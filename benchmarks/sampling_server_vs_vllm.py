@@ -37,7 +37,7 @@ from benchmarks.process_memory import process_tree, rss_mib  # noqa: E402
 from benchmarks.train_throughput import SHAPES, smooth_image, write_model  # noqa: E402
 from server.config import parse_config  # noqa: E402
 from server.models.image_processor import ImageProcessorSpec  # noqa: E402
-from server.sampling.vllm_process import ServedModel, vllm_command, vllm_environment  # noqa: E402
+from server.sampling.vllm_process import ServedModel, needs_scale_out_flag, vllm_command, vllm_environment  # noqa: E402
 from tests.support.live_server import start_server  # noqa: E402
 
 BASE_NAME = "bench/Qwen3-VL-{shape}"
@@ -218,7 +218,7 @@ def main() -> None:
                                       max_model_len=min(config.sampler.vllm.max_model_len, max_positions))
     served = ServedModel(directory=model_dir, name=base_model, dtype=args.dtype, refused_token_ids=refused,
                          max_images_per_prompt=config.sampler.max_images_per_prompt)
-    vllm_args = vllm_command(vllm_config, served, port=0)[3:]  # after "python -m <module>"
+    vllm_args = vllm_command(vllm_config, served, 0, needs_scale_out_flag(vllm_config))[3:]  # after "python -m <module>"
 
     prompts = build_prompts(args, model_dir, vision_ids)
     server_result, adapters = run_server(args, model_dir, server_flags, prompts)

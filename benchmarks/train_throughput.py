@@ -44,15 +44,17 @@ from server.training.trainer import build_trainer  # noqa: E402
 from server.training.workers import start_local_ranks  # noqa: E402
 from server.wire.types import AdamParams, Datum, EncodedTextChunk, ImageChunk, LoraConfig, ModelInput  # noqa: E402
 
+# Qwen3-VL's M-RoPE for head_dim 128 (the sections sum to head_dim / 2; vLLM checks it, HF does not).
+QWEN3_VL_ROPE = dict(rope_type="default", rope_theta=5_000_000.0, mrope_section=[24, 20, 20], mrope_interleaved=True)
 SHAPES = {
     # Qwen3-VL-4B-Instruct and -8B-Instruct: language model and vision tower sizes.
     "4b": dict(text=dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128, vocab_size=151936),
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_parameters=QWEN3_VL_ROPE),
                vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560,
                            deepstack_visual_indexes=[5, 11, 17], num_position_embeddings=2304),
                tie_word_embeddings=True),
     "8b": dict(text=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                         num_key_value_heads=8, head_dim=128, vocab_size=151936),
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_parameters=QWEN3_VL_ROPE),
                vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
                            deepstack_visual_indexes=[8, 16, 24], num_position_embeddings=2304),
                tie_word_embeddings=False),

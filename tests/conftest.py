@@ -1,5 +1,6 @@
 """Shared test fixtures."""
 
+import logging
 import os
 import shutil
 import subprocess
@@ -14,6 +15,10 @@ import pytest
 import sqlalchemy as sa
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# SDK clients of servers that a finished test stopped go on heartbeating for the rest of the run; their
+# warnings would bury a failure's own output.
+logging.getLogger("tinker.lib.internal_client_holder").setLevel(logging.ERROR)
 
 
 @pytest.fixture(scope="session")

@@ -120,6 +120,8 @@ class VLLMEngine:
 
         sequences = [_sequence(choice) for response in responses
                      for choice in sorted(response["choices"], key=lambda c: c["index"])]
+        if len(sequences) != request.num_samples:
+            raise TinkerServerError(f"vLLM answered {len(sequences)} samples for {request.num_samples} asked")
         prompt_logprobs = topk = None
         if logprobs.scores_prompt:
             prompt_logprobs, topk = _prompt_logprobs(responses[0], logprobs, prompt)
@@ -224,6 +226,9 @@ def _sampling_params(options: SamplingOptions, n: int, seed_offset: int, prompt_
         # The caller passes EOS inside stop_token_ids (stop=[] means no EOS), so vLLM's own EOS rule is off.
         "ignore_eos": True, "stop_token_ids": list(options.stop_token_ids),
         "logprobs": 0,  # the sampled token's logprob only
+        # FINAL_ONLY (2): every child in the one answer. vLLM 0.26's endpoint leaves the default
+        # (cumulative), and then answers an n > 1 request with only the children that finished last.
+        "output_kind": 2,
     }
     if options.stop_strings:
         # Stop strings need vLLM's detokenizer; like the embedded engine, match against the raw

