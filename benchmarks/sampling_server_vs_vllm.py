@@ -177,7 +177,7 @@ def run_server(args, model_dir: Path, server_flags: list[str], prompts: list[dic
                     tokens = 0 if workload == SCORING else sum(len(s.tokens) for out in outputs for s in out.sequences)
                     rounds.append({"seconds": time.perf_counter() - start, "tokens": tokens})
                 results[workload] = rounds[1:]
-        service.close()
+        service.close("success").result()
         return {"workloads": results, "memory": memory.peak}, directories
     finally:
         server.stop(timeout=120)
