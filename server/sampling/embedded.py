@@ -353,7 +353,7 @@ class _Batch:
             if k > 0:
                 topk.extend(_best(logprobs_CV, k))
             if num_draws:
-                tokens_CK = _draw(logits_CV, active.request.options.temperature, num_draws, self.refused_M,
+                tokens_CK = _draw(logprobs_CV, active.request.options.temperature, num_draws,
                                   active.alt_tokens_generator)
                 draws.append(tokens_CK)
                 draw_logprobs.append(logprobs_CV.gather(-1, tokens_CK))
@@ -362,16 +362,16 @@ class _Batch:
                 ids_X = cell_ids_X[in_chunk_X]
                 found = logprobs_CV[torch.searchsorted(rows_C, cell_rows_X[in_chunk_X]), ids_X]
                 target_X[in_chunk_X] = given_as_zero(found, ids_X, self.refused_M)
-        scores = active.output
+        output = active.output
         if wanted.prompt_logprobs:
-            scores.prompt_logprobs = [None, *logprobs]
+            output.prompt_logprobs = [None, *logprobs]
         if k > 0:
-            scores.topk_prompt_logprobs = [None, *topk]
+            output.topk_prompt_logprobs = [None, *topk]
         if num_draws:
-            scores.prompt_alt_tokens = PromptAltTokens(tokens=torch.cat(draws).cpu().numpy(),
+            output.prompt_alt_tokens = PromptAltTokens(tokens=torch.cat(draws).cpu().numpy(),
                                                        logprobs=torch.cat(draw_logprobs).cpu().numpy())
         if targets is not None:
-            scores.target_prompt_logprobs = target_X.cpu().numpy()
+            output.target_prompt_logprobs = target_X.cpu().numpy()
 
     def _merge(self, cache: DynamicCache, mask_NP: torch.Tensor, next_position_N: torch.Tensor,
                rows: list[tuple[_Active, int]]) -> None:
@@ -545,14 +545,12 @@ def _best(logprobs_GV: torch.Tensor, k: int) -> TopkRows:
             for tokens, values in zip(tokens_GK.tolist(), values_GK.tolist())]
 
 
-def _draw(logits_CV: torch.Tensor, temperature: float, num_draws: int, refused_M: torch.Tensor,
-          generator: torch.Generator) -> torch.Tensor:
+def _draw(logprobs_CV: torch.Tensor, temperature: float, num_draws: int, generator: torch.Generator) -> torch.Tensor:
     """num_draws tokens per row, with replacement, at `temperature` (0: the most likely, every time)."""
-    logits_CV = mask_refused(logits_CV.float(), refused_M)
     if temperature == 0:
-        return logits_CV.argmax(dim=-1, keepdim=True).expand(-1, num_draws).contiguous()
-    probs_CV = (logits_CV / temperature).softmax(dim=-1)
-    return torch.multinomial(probs_CV, num_draws, replacement=True, generator=generator)
+        return logprobs_CV.argmax(dim=-1, keepdim=True).expand(-1, num_draws).contiguous()
+    return torch.multinomial((logprobs_CV / temperature).softmax(dim=-1), num_draws, replacement=True,
+                             generator=generator)
 
 
 def _sample_tokens(logits_GV: torch.Tensor, samples_G: torch.Tensor, num_samples: int, options: SamplingOptions,
