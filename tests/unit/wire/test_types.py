@@ -280,6 +280,7 @@ def test_dmel_chunk_is_refused_with_a_clear_message():
         (wire.LoadWeightsRequest, {"session_id": "S", "path": "p"}, "both session_id and model_seq_id"),
         (wire.SaveWeightsRequest, {"model_id": "M", "path": "a/b"}, "contain no '/'"),
         (wire.SaveWeightsForSamplerRequest, {"model_id": "M"}, "path or a sampling_session_seq_id"),
+        (wire.SaveWeightsForSamplerRequest, {"model_id": "M", "path": "n", "kind": "inflight"}, "a named save is a snapshot"),
         (wire.CreateSamplingSessionRequest, {"session_id": "S", "sampling_session_seq_id": 0}, "model_path or a base_model"),
         (wire.OptimStepRequest, {"model_id": "M", "adam_params": {"learning_rate": -1}}, "learning_rate"),
         (wire.OptimStepRequest, {"model_id": "M", "optimizer_params": {"type": "sgd"}}, "sgd"),
