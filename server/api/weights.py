@@ -126,9 +126,6 @@ async def save_weights_for_sampler(request: Request, services: ServicesDep, owne
     run = run_of(services.store, save.model_id, owner)
 
     def prepare():
-        if save.kind == "inflight":
-            raise InvalidRequest("kind='inflight' sampling clients are not supported by this server yet; "
-                                 "use kind='snapshot'")
         if save.path is None:
             return ephemeral_work
 
@@ -146,7 +143,7 @@ async def save_weights_for_sampler(request: Request, services: ServicesDep, owne
     def ephemeral_work():
         sampling_session_id = sampling_session_id_for(run.session_id, save.sampling_session_seq_id)
         services.adapters.add_ephemeral(sampling_session_id, run.model_id, services.trainer.snapshot(run.model_id),
-                                        services.base.name)
+                                        services.base.name, inflight=save.kind == "inflight")
         ensure_sampling_session(services, session_id=run.session_id, owner=owner, source_model_id=run.model_id,
                                 sampling_session_seq_id=save.sampling_session_seq_id)
         return json_result(SaveWeightsForSamplerResponse(sampling_session_id=sampling_session_id))
