@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 
-from server.api import checkpoints, futures, models, operations, rest, sampling, sessions, training, weights
+from server.api import (checkpoints, dashboard, futures, models, operations, rest, sampling, sessions, training,
+                        weights)
 from server.api.deps import Services, authenticate, journal_refusal
 from server.banner import start_banner
 from server.config import ServerConfig
@@ -201,7 +202,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(RequestMetrics, metrics=metrics)
     app.include_router(operations.public_router)
     app.include_router(checkpoints.public_router)
-    for module in (sessions, models, training, weights, sampling, futures, rest, checkpoints, operations):
+    app.include_router(dashboard.public_router)
+    for module in (sessions, models, training, weights, sampling, futures, rest, checkpoints, operations, dashboard):
         app.include_router(module.router, dependencies=[Depends(authenticate)])
 
     def respond(request: Request, error: TinkerServerError) -> JSONResponse:
