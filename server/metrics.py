@@ -29,14 +29,21 @@ class ServerMetrics:
                                  "could not take yet (disk full); answered from memory meanwhile",
                                  registry=self.registry)
         self.registry.register(_GpuMemory())
+        self._queue_depths: dict[str, int] = {}
 
     def observe_request(self, request_type: str, outcome: str, seconds: float) -> None:
         self.request_seconds.labels(request_type, outcome).observe(seconds)
 
     def set_queue_depth(self, model_id: str, depth: int) -> None:
         self.queue_depth.labels(model_id).set(depth)
+        self._queue_depths[model_id] = depth
+
+    def queue_depth_of(self, model_id: str) -> int:
+        """Requests of the run queued or running now (the dashboard reads it per tenant)."""
+        return self._queue_depths.get(model_id, 0)
 
     def forget_run(self, model_id: str) -> None:
+        self._queue_depths.pop(model_id, None)
         try:
             self.queue_depth.remove(model_id)
         except KeyError:

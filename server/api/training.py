@@ -7,6 +7,8 @@ from server.api.deps import (PROTOBUF, OwnerDep, ServicesDep, check_loss_config,
 from server.errors import InvalidRequest
 from server.rendering.provenance import attach_recorded_samples, named_sequence_ids
 from server.rendering.training import render_training_datum
+from server.store.run_metrics import FORWARD_BACKWARD, OPTIM_STEP
+from server.training.curves import curve_metrics
 from server.training.losses import resolve_loss
 from server.wire.proto import decode_forward_backward_request, encode_forward_backward_output
 from server.wire.types import AdamParams, OptimStepRequest, OptimStepResponse, UntypedAPIFuture
@@ -43,6 +45,9 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
                                                        fwdbwd.loss_fn_config, fwdbwd.forward_only)
             touch_run(services, fwdbwd.model_id)
             services.metrics.count_tokens("trained", sum(len(example.input_ids) for example in examples))
+            if not fwdbwd.forward_only:
+                services.store.run_metrics.record(fwdbwd.model_id, FORWARD_BACKWARD,
+                                                  curve_metrics(examples, result.outputs, result.metrics))
             return encode_forward_backward_output(result.outputs, result.metrics), PROTOBUF
 
         return work
@@ -66,6 +71,7 @@ async def optim_step(request: Request, services: ServicesDep, owner: OwnerDep) -
 
         def work():
             metrics = services.trainer.optim_step(step.model_id, step.adam_params)
+            services.store.run_metrics.record(step.model_id, OPTIM_STEP, metrics)
             return json_result(OptimStepResponse(metrics=metrics))
 
         return work

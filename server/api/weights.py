@@ -29,6 +29,7 @@ from server.api.deps import (
     training_run_record,
 )
 from server.errors import InvalidRequest
+from server.progress import Progress
 from server.scheduler.scheduler import CREATION_SEQ_ID
 from server.store.checkpoints import TinkerPath, parse_tinker_path, remove_checkpoint_files, sync_directory_tree
 from server.store.db import is_disk_full, storage_failure
@@ -72,8 +73,9 @@ def _write_and_record(services: Services, run: TrainingRunRecord, tinker_path: T
     directory = tinker_path.new_version_directory(checkpoint_dir)
     started = time.perf_counter()
     try:
-        size = write(directory)
-        sync_directory_tree(directory)
+        with Progress("checkpoint_save", f"Saving {tinker_path}", logger, delay=2.0, tinker_path=tinker_path):
+            size = write(directory)
+            sync_directory_tree(directory)
         now = utcnow()
         services.store.add_checkpoint(CheckpointRecord(
             tinker_path=str(tinker_path), model_id=run.model_id, checkpoint_id=tinker_path.checkpoint_id,

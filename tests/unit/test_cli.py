@@ -177,3 +177,26 @@ def test_the_vllm_venv_is_found_wherever_the_server_starts(tmp_path, monkeypatch
     with pytest.raises(SystemExit, match="install_vllm.sh") as error:
         parse_config(["--base-model", "builtin:tiny-qwen2-vl", "--sampler", "vllm", "--vllm-python", str(missing)])
     assert str(missing) in str(error.value) and str(REPO_ROOT / "scripts" / "install_vllm.sh") in str(error.value)
+
+
+def _option_help_lines(parser) -> dict[str, str]:
+    """Each option's help as `--help` prints it (one line, whitespace collapsed)."""
+    formatter = parser._get_formatter()
+    return {action.option_strings[0]: " ".join(formatter._expand_help(action).split())
+            for action in parser._actions if action.option_strings and action.dest != "help"}
+
+
+def test_every_flag_has_a_help_text_that_names_its_default():
+    keys_parsers = next(a for a in build_keys_arg_parser()._actions if a.dest == "action").choices.values()
+    for parser in (build_arg_parser(), *keys_parsers):
+        for option, text in _option_help_lines(parser).items():
+            assert len(text) > 20 and ("default" in text or "required" in text), (option, text)
+
+
+def test_help_shows_the_values_of_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: ./data,", "(default: embedded)",
+                  "(default: keys)", "(default: off)", "(default: 16384)"):
+        assert shown in text
