@@ -83,11 +83,16 @@ class Signer:
         return self._mac("download", resource, str(expires))
 
     def valid_download(self, resource: str, expires: int, signature: str, now: float) -> bool:
-        return now < expires and hmac.compare_digest(signature, self.download_signature(resource, expires))
+        return now < expires and _same(signature, self.download_signature(resource, expires))
 
     def weights_access_token(self, tinker_path: str, version: str) -> str:
         """A token that lets its holder read one checkpoint (this version of it: a re-save revokes it)."""
         return "wat-" + self._mac("weights-access", tinker_path, version)
 
     def valid_weights_access_token(self, token: str, tinker_path: str, version: str) -> bool:
-        return hmac.compare_digest(token, self.weights_access_token(tinker_path, version))
+        return _same(token, self.weights_access_token(tinker_path, version))
+
+
+def _same(given: str, expected: str) -> bool:
+    """A constant-time comparison that any string a client sends can reach (str needs ASCII)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), expected.encode())

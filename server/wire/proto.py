@@ -126,20 +126,22 @@ def _parse_forward_backward(body: bytes, content_encoding: str | None, max_decom
 
 
 def _zstd_decompress(body: bytes, max_bytes: int) -> bytes:
-    too_large = PayloadTooLarge(f"zstd body inflates past the {max_bytes}-byte limit")
-    parts, total = [], 0
+    # A message, not the exception: an exception held in a local would keep this frame (and all that
+    # was inflated) alive through its traceback until the cycle collector runs.
+    too_large = f"zstd body inflates past the {max_bytes}-byte limit"
+    # One growing buffer rather than a list of small parts: past a few MiB it lives in its own
+    # mapping, which goes back to the system when freed (a refused bomb leaves no pooled memory).
+    inflated = bytearray()
     try:
         if zstandard.frame_content_size(body) > max_bytes:  # -1 when the frame does not say
-            raise too_large
+            raise PayloadTooLarge(too_large)
         decompressor = zstandard.ZstdDecompressor().decompressobj()
         # Small input slices: one byte of zstd inflates to at most ~32 KiB, so a bomb is caught
         # within ~32 MiB of the limit instead of after it has filled memory.
         for start in range(0, len(body), _ZSTD_SLICE_BYTES):
-            part = decompressor.decompress(body[start : start + _ZSTD_SLICE_BYTES])
-            total += len(part)
-            if total > max_bytes:
-                raise too_large
-            parts.append(part)
+            inflated += decompressor.decompress(body[start : start + _ZSTD_SLICE_BYTES])
+            if len(inflated) > max_bytes:
+                raise PayloadTooLarge(too_large)
             if decompressor.eof:
                 break
     except zstandard.ZstdError as error:
@@ -148,7 +150,7 @@ def _zstd_decompress(body: bytes, max_bytes: int) -> bytes:
         raise InvalidRequest("zstd body is truncated (the frame does not end)")
     if decompressor.unused_data or start + _ZSTD_SLICE_BYTES < len(body):
         raise InvalidRequest("zstd body has bytes after its frame (send a single zstd frame)")
-    return b"".join(parts)
+    return bytes(inflated)
 
 
 def _decode_datum(message: pb.Datum, where: str) -> Datum:
