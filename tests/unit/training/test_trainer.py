@@ -24,6 +24,7 @@ from server.models.loading import LoadedModel, load_base_model
 from server.models.builtin import ensure_builtin_model
 from server.rendering.provenance import RECORDED_LOGPROBS, SAMPLED_MASK
 from server.rendering.training import TrainingExample
+from server.training import checkpoint_io
 from server.training.lora import AdapterSlot, LoraAdapter, apply_lora_wrappers, use_adapter
 from server.training.parallel import free_port, init_training_group
 from server.training.trainer import Trainer
@@ -146,6 +147,11 @@ def reference_adamw(start: list[torch.Tensor], grads_per_step: list[list[torch.T
 
 def global_norm(grads: list[torch.Tensor]) -> float:
     return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+
+
+def save(trainer: Trainer, model_id: str, directory: Path, with_optimizer: bool) -> int:
+    """A training checkpoint (with_optimizer) or a sampler checkpoint, as the server writes them."""
+    return checkpoint_io.save_state(directory, trainer.copy_state(model_id, with_optimizer))
 
 
 def train_step(trainer: Trainer, model_id: str, batch: list[TrainingExample], params: AdamParams) -> dict[str, float]:
@@ -535,7 +541,7 @@ def test_a_training_checkpoint_reproduces_the_next_update_in_another_trainer(tra
     original_id = create_run(trainer, lora_config)
     for seed in (20, 21):
         train_step(trainer, original_id, sft_batch(seed, [6, 9], vocab), ADAM)
-    trainer.save_state(original_id, tmp_path / "state")
+    save(trainer, original_id, tmp_path / "state", with_optimizer=True)
     saved = parameters(trainer, original_id)
     next_batch = sft_batch(22, [8, 5], vocab)
     train_step(trainer, original_id, next_batch, ADAM)
@@ -561,7 +567,7 @@ def test_loading_a_checkpoint_without_the_optimizer_resets_the_adam_moments(trai
     original_id = create_run(trainer)
     for seed in (30, 31):
         train_step(trainer, original_id, sft_batch(seed, [6, 9], vocab), ADAM)
-    trainer.save_state(original_id, tmp_path / "state")
+    save(trainer, original_id, tmp_path / "state", with_optimizer=True)
     saved = parameters(trainer, original_id)
     next_batch = sft_batch(32, [7], vocab)
 
@@ -584,8 +590,8 @@ def test_loading_a_checkpoint_without_the_optimizer_resets_the_adam_moments(trai
 
 def test_checkpoint_loads_that_cannot_work_are_refused(trainer, tmp_path):
     model_id = create_run(trainer)
-    trainer.save_for_sampler(model_id, tmp_path / "sampler")
-    trainer.save_state(model_id, tmp_path / "state")
+    save(trainer, model_id, tmp_path / "sampler", with_optimizer=False)
+    save(trainer, model_id, tmp_path / "state", with_optimizer=True)
 
     with pytest.raises(InvalidRequest, match="no optimizer state"):
         trainer.create_model_from_checkpoint("needs-optimizer", tmp_path / "sampler", with_optimizer=True)
@@ -602,7 +608,7 @@ def test_a_sampler_checkpoint_loads_in_peft_and_gives_the_trainer_logprobs(train
     batch = sft_batch(41, [12, 5], trainer.base.vocab_size)
     result = trainer.forward_backward(model_id, batch, "cross_entropy", None, forward_only=True)
 
-    assert trainer.save_for_sampler(model_id, tmp_path / "sampler") > 0
+    assert save(trainer, model_id, tmp_path / "sampler", with_optimizer=False) > 0
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trainer.base.path),
                                            tmp_path / "sampler").eval()
 
