@@ -82,6 +82,7 @@ def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
                                               config.data_dir)
     scheduler = Scheduler(store, TrainingExecutor(trainer), sampling_workers=sampler.max_concurrent_requests,
                           pass_tokens=trainer_config.max_tokens_per_pass,
+                          pass_runs=trainer_config.max_runs_per_pass,
                           seq_gap_timeout=config.limits.seq_gap_timeout_seconds, metrics=metrics,
                           hidden_paths=(str(config.data_dir),))
     return Services(config=config, store=store, scheduler=scheduler, base=base, trainer=trainer,

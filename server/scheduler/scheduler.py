@@ -108,15 +108,17 @@ def _not_loaded(model_id: str) -> str:
 
 class Scheduler:
     def __init__(self, store: Store, executor: TrainingExecutor, sampling_workers: int = 1, *,
-                 pass_tokens: int = 65536, seq_gap_timeout: float = 120.0, metrics: ServerMetrics | None = None,
-                 hidden_paths: tuple[str, ...] = ()):
+                 pass_tokens: int = 65536, pass_runs: int | None = None, seq_gap_timeout: float = 120.0,
+                 metrics: ServerMetrics | None = None, hidden_paths: tuple[str, ...] = ()):
         """
         Args:
             pass_tokens: the token budget of one forward_backward pass, shared among the runs with work.
+            pass_runs: at most this many runs in one pass (None: no limit; 1: one run at a time, in turn).
         """
         self.store = store
         self.executor = executor
         self.pass_tokens = pass_tokens
+        self.pass_runs = pass_runs
         self.seq_gap_timeout = seq_gap_timeout
         self.metrics = metrics or ServerMetrics()
         self._hidden_paths = hidden_paths
@@ -407,6 +409,7 @@ class Scheduler:
         if not offers:
             return alone, []
         offers.sort(key=lambda model_id: self._last_served.get(model_id, -1))
+        offers = offers[:self.pass_runs]
         forward_only = self._ready[offers[0]][0].operation.forward_only
         streams = {}
         for model_id in offers:

@@ -376,13 +376,17 @@ def test_the_pass_budget_is_shared_equally_then_what_is_left_goes_round_again():
     assert share_pass([[5000], [10]], 1000) == [1, 0]
 
 
-def test_forward_backward_requests_of_several_runs_share_one_pass(store):
+@pytest.mark.parametrize("pass_runs,expected", [
+    (None, [[("s:train:0", 2), ("s:train:1", 2)]]),
+    (1, [[("s:train:0", 2)], [("s:train:1", 2)]]),  # one run at a time, in turn
+])
+def test_forward_backward_requests_of_several_runs_share_one_pass(store, pass_runs, expected):
     hold = threading.Event()
 
     async def scenario():
         executor = FakeExecutor()
         executor.actions["block"] = lambda: (hold.wait(10), "block")[1]
-        scheduler = await _created_scheduler(store, executor)
+        scheduler = await _created_scheduler(store, executor, pass_runs=pass_runs)
         # While run 2 holds the training thread, runs 0 and 1 queue forward_backward work.
         blocker = await _submit(scheduler, "block", 1, model_id="s:train:2")
         ids = [await _submit(scheduler, f"fb{index}", 1, forward_backward(f"s:train:{index}", [3, 4]),
@@ -393,7 +397,7 @@ def test_forward_backward_requests_of_several_runs_share_one_pass(store):
         return executor.passes, records
 
     passes, records = asyncio.run(scenario())
-    assert passes == [[("s:train:0", 2), ("s:train:1", 2)]]
+    assert passes == expected
     assert [r.result for r in records] == [b"block", b"3,4", b"3,4"]
 
 
