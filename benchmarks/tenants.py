@@ -1,8 +1,9 @@
 """Many tenants on one server: aggregate training tokens/s and each tenant's step latency, with runs
 sharing training passes (the default) against one run per pass (`--max-runs-per-pass 1`), side by side.
 
-For each number of tenants (default 1, 4 and 8), every tenant (its own API key and LoRA run) sends
-RL-sized steps concurrently through the tinker SDK: a forward_backward of 8 x 1,024 tokens
+For each number of tenants (default 1, 4 and 8), every tenant (its own SDK client and LoRA run; the
+scheduler shares passes by run, so one API key serves them all) sends RL-sized steps concurrently
+through the tinker SDK: a forward_backward of 8 x 1,024 tokens
 (importance_sampling, the RL loss) and an optim_step, then waits for both. The first step of each
 tenant is warm-up. Prints, per mode and tenant count, the aggregate tokens/s, the median and worst
 tenant's median step latency, the server's peak memory (GPU: reserved by its allocator; CPU: peak
@@ -77,18 +78,18 @@ def peak_memory_gib(server: LiveServer, device: str) -> float:
     return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE).group(1)) / 2**20
 
 
-def run_tenants(args, server: LiveServer, keys: list[str], base_model: str) -> dict:
+def run_tenants(args, server: LiveServer, num_tenants: int, base_model: str) -> dict:
     """Every tenant trains at once; returns aggregate tokens/s and each tenant's median step seconds."""
     from tinker import types
 
-    clients = [server.service_client(key).create_lora_training_client(base_model=base_model, rank=args.rank,
-                                                                      seed=index).result()
-               for index, key in enumerate(keys)]
-    data = [rl_data(args, seed) for seed in range(len(keys))]
+    clients = [server.service_client().create_lora_training_client(base_model=base_model, rank=args.rank,
+                                                                   seed=index).result()
+               for index in range(num_tenants)]
+    data = [rl_data(args, seed) for seed in range(num_tenants)]
     adam = types.AdamParams(learning_rate=1e-5)
-    latencies: list[list[float]] = [[] for _ in keys]
-    start_barrier = threading.Barrier(len(keys) + 1)
-    timed_barrier = threading.Barrier(len(keys) + 1)
+    latencies: list[list[float]] = [[] for _ in range(num_tenants)]
+    start_barrier = threading.Barrier(num_tenants + 1)
+    timed_barrier = threading.Barrier(num_tenants + 1)
 
     def step(index: int) -> float:
         started = time.perf_counter()
@@ -105,7 +106,7 @@ def run_tenants(args, server: LiveServer, keys: list[str], base_model: str) -> d
         for _ in range(args.steps):
             latencies[index].append(step(index))
 
-    threads = [threading.Thread(target=tenant, args=(index,)) for index in range(len(keys))]
+    threads = [threading.Thread(target=tenant, args=(index,)) for index in range(num_tenants)]
     for thread in threads:
         thread.start()
     start_barrier.wait()
@@ -114,7 +115,7 @@ def run_tenants(args, server: LiveServer, keys: list[str], base_model: str) -> d
     for thread in threads:
         thread.join()
     seconds = time.perf_counter() - started
-    tokens = len(keys) * args.steps * args.sequences * args.sequence_length
+    tokens = num_tenants * args.steps * args.sequences * args.sequence_length
     return dict(tokens_per_s=tokens / seconds,
                 tenant_median_step_s=[statistics.median(times) for times in latencies])
 
@@ -126,11 +127,9 @@ def measure_mode(args, mode: str, model_dir: Path) -> dict[int, dict]:
     server = start_server(args.work_dir / f"tenants-{args.shape}-{mode}", None, None, *command,
                           base_model=base_model, startup_seconds=900)
     try:
-        counts = [int(count) for count in args.tenants.split(",")]
-        keys = [server.api_key] + [server.create_key(f"tenant-{index}") for index in range(1, max(counts))]
         results = {}
-        for count in counts:
-            results[count] = run_tenants(args, server, keys[:count], base_model)
+        for count in [int(count) for count in args.tenants.split(",")]:
+            results[count] = run_tenants(args, server, count, base_model)
             results[count]["peak_memory_gib"] = peak_memory_gib(server, args.device)
             print(mode, count, results[count], flush=True)
         return results
