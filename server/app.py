@@ -40,6 +40,7 @@ from server.store.exports import Signer
 from server.store.ownership import AlreadyServed, Ownership
 from server.store.retention import CheckpointPins
 from server.store.store import Store
+from server.training.executor import TrainingExecutor
 from server.training.parallel import free_port, init_training_group
 from server.training.trainer import build_trainer
 from server.training.workers import start_local_ranks
@@ -82,7 +83,9 @@ def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
     render_context = RenderContext.build(base, config.limits.max_sequence_length, images)
     sampler, adapters = build_sampling_engine(config.sampler, config.model, config.images.feature_cache_bytes, base,
                                               config.data_dir)
-    scheduler = Scheduler(store, sampling_workers=sampler.max_concurrent_requests,
+    scheduler = Scheduler(store, TrainingExecutor(trainer), sampling_workers=sampler.max_concurrent_requests,
+                          pass_tokens=trainer_config.max_tokens_per_pass,
+                          pass_runs=trainer_config.max_runs_per_pass,
                           seq_gap_timeout=config.limits.seq_gap_timeout_seconds, metrics=metrics,
                           hidden_paths=(str(config.data_dir),))
     return Services(config=config, store=store, scheduler=scheduler, base=base, trainer=trainer,

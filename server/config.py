@@ -60,6 +60,12 @@ class ModelConfig:
 class TrainerConfig:
     max_tokens_per_microbatch: int = 16384
     """Datums are packed into micro-batches of at most this many (padded) tokens."""
+    max_tokens_per_pass: int = 65536
+    """Tokens of forward_backward work one training pass takes, shared fairly among the runs that have
+    some ready (several runs' rows in one pass); a request over its share goes on in the next pass."""
+    max_runs_per_pass: int | None = None
+    """At most this many runs' forward_backward work in one pass (None: no limit); 1 runs the runs one
+    at a time, in turn (the baseline benchmarks/tenants.py compares batching with)."""
     logprob_chunk_size: int = 1024
     """Positions per lm_head chunk: full-vocabulary logits never exist for a whole batch."""
     lora_alpha: float = 32.0
@@ -80,6 +86,10 @@ class TrainerConfig:
     def __post_init__(self):
         if not 1 <= self.local_ranks <= self.world_size:
             raise ValueError(f"need 1 <= local_ranks ({self.local_ranks}) <= world_size ({self.world_size})")
+        if self.max_tokens_per_pass < 1:
+            raise ValueError(f"max_tokens_per_pass must be positive, got {self.max_tokens_per_pass}")
+        if self.max_runs_per_pass is not None and self.max_runs_per_pass < 1:
+            raise ValueError(f"max_runs_per_pass must be positive, got {self.max_runs_per_pass}")
 
 
 @dataclass(frozen=True)
@@ -314,6 +324,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="recompute each decoder block in backward (less memory, about a third more compute)")
     parser.add_argument("--microbatch-tokens", type=int, default=TrainerConfig.max_tokens_per_microbatch,
                         help="padded tokens per forward/backward pass on each training rank")
+    parser.add_argument("--max-tokens-per-pass", type=int, default=TrainerConfig.max_tokens_per_pass,
+                        help="forward_backward tokens per training pass, shared fairly among the runs with work")
+    parser.add_argument("--max-runs-per-pass", type=int, default=None,
+                        help="runs whose forward_backward work may share one training pass (default: no limit; "
+                             "1: one run at a time, in turn)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the decoder blocks and the unembedding (faster GPU steps after warm-up)")
     parser.add_argument("--sampler", choices=["embedded", "vllm"], default="embedded",
@@ -374,6 +389,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         auth=args.auth, shutdown_timeout_seconds=args.shutdown_timeout,
         trainer=TrainerConfig(local_ranks=args.gpus, activation_checkpointing=args.activation_checkpointing,
                               max_tokens_per_microbatch=args.microbatch_tokens, compile=args.compile,
+                              max_tokens_per_pass=args.max_tokens_per_pass,
+                              max_runs_per_pass=args.max_runs_per_pass,
                               # torchrun's variables when ranks on other nodes join (see the README)
                               world_size=int(os.environ.get("WORLD_SIZE", args.gpus)),
                               master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),

@@ -25,6 +25,8 @@ class ServerMetrics:
                                  ["model_id"], registry=self.registry)
         self.tokens = Counter("tinker_tokens", "Tokens processed: trained (forward/backward input positions) and "
                               "sampled (generated); rate() gives tokens/s", ["kind"], registry=self.registry)
+        self.pass_runs = Histogram("tinker_training_pass_runs", "Training runs whose forward_backward datums "
+                                   "shared one pass", buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
         self.unjournaled = Gauge("tinker_unjournaled_outcomes", "Finished requests whose outcome the journal "
                                  "could not take yet (disk full); answered from memory meanwhile",
                                  registry=self.registry)
@@ -48,6 +50,10 @@ class ServerMetrics:
             self.queue_depth.remove(model_id)
         except KeyError:
             pass
+
+    def observe_pass(self, num_runs: int, num_tokens: int) -> None:
+        self.pass_runs.observe(num_runs)
+        self.count_tokens("trained", num_tokens)
 
     def count_tokens(self, kind: str, count: int) -> None:
         self.tokens.labels(kind).inc(count)

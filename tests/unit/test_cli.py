@@ -36,6 +36,8 @@ CLI_OPTIONS = {
     "--gpus",
     "--activation-checkpointing",
     "--microbatch-tokens",
+    "--max-tokens-per-pass",
+    "--max-runs-per-pass",
     "--compile",
     "--sampler",
     "--max-images-per-prompt",
@@ -82,6 +84,16 @@ def test_limits_and_lifecycle_flags_reach_the_config():
     assert (limits.max_lora_rank, limits.max_sampled_tokens_per_request, limits.max_runs_per_tenant) == (16, 99, 3)
     assert (limits.max_stored_bytes_per_tenant, limits.seq_gap_timeout_seconds) == (1 << 29, 7)
     assert (config.auth, config.shutdown_timeout_seconds) == ("keys", 9)
+
+
+def test_the_training_pass_budget_and_run_limit_reach_the_trainer_config():
+    assert parse_config(["--base-model", "m", "--max-tokens-per-pass", "4096"]).trainer.max_tokens_per_pass == 4096
+    with pytest.raises(ValueError, match="max_tokens_per_pass"):
+        parse_config(["--base-model", "m", "--max-tokens-per-pass", "0"])
+    assert parse_config(["--base-model", "m"]).trainer.max_runs_per_pass is None
+    assert parse_config(["--base-model", "m", "--max-runs-per-pass", "1"]).trainer.max_runs_per_pass == 1
+    with pytest.raises(ValueError, match="max_runs_per_pass"):
+        parse_config(["--base-model", "m", "--max-runs-per-pass", "0"])
 
 
 def test_auth_none_is_refused_on_a_host_others_can_reach():
