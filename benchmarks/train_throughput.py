@@ -5,7 +5,8 @@ every linear layer of the language model, 32 sequences x 2048 tokens per step, o
 per sequence (or text only). For each shape and variant it runs (a) the training backend called
 in-process (the trainer the server builds, fed datums rendered exactly as the API renders them)
 and (b) the same steps through `python -m server` driven by the tinker SDK, and prints
-tokens/s/GPU, MFU, peak memory and the ratio (b)/(a).
+tokens/s/GPU, MFU, peak memory and the ratio (b)/(a). Each mode runs in a process of its own, so that
+(b) starts on a GPU that (a) has wholly given back.
 
 FLOPs per token (LoRA: forward, plus backward to the activations only; the frozen base gets no
 weight gradient): 4 x N_llm (every matmul parameter of the language model, the unembedding
@@ -17,9 +18,9 @@ are cached by content, so a repeated image is encoded once). LoRA's own matmuls 
 """
 
 import argparse
-import gc
 import io
 import json
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -210,10 +211,6 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
         for process in ranks:
             process.join(timeout=60)
         dist.destroy_process_group()
-        trainer = base = None  # free the model before the next shape is built
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
     return results
 
 
@@ -302,6 +299,30 @@ def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str,
 # -- report --------------------------------------------------------------------------------------------
 
 
+def measure_mode(args, mode: str, shape: str, model_dir: Path, variants: list[str]) -> dict[str, dict]:
+    run = run_inprocess if mode == "inprocess" else run_api
+    return run(args, shape, model_dir, variants)
+
+
+def in_own_process(function, *args):
+    """`function(*args)` in a fresh (spawned) process: whatever it held on the GPU is gone when it returns.
+
+    A plain Process, not a Pool: its workers are daemons, which may not start the training ranks.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.SimpleQueue()
+    process = context.Process(target=_put_result, args=(results, function, args))
+    process.start()
+    process.join()
+    if process.exitcode != 0 or results.empty():
+        raise RuntimeError(f"{function.__name__}{args[1:3]} failed (exit code {process.exitcode})")
+    return results.get()
+
+
+def _put_result(results, function, args) -> None:
+    results.put(function(*args))
+
+
 def main() -> None:
     args = parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -309,10 +330,8 @@ def main() -> None:
     for shape in args.shapes.split(","):
         model_dir = write_model(shape, args.work_dir / f"model-{shape}", args.device)
         variants = args.variants.split(",")
-        measured = {}
-        for mode in args.modes.split(","):
-            run = run_inprocess if mode == "inprocess" else run_api
-            measured[mode] = run(args, shape, model_dir, variants)
+        measured = {mode: in_own_process(measure_mode, args, mode, shape, model_dir, variants)
+                    for mode in args.modes.split(",")}
         for variant in variants:
             tokens = args.sequences * args.sequence_length
             per_token = flops_per_token(shape, args.sequence_length)

@@ -3,15 +3,49 @@
 
 import logging
 import os
+import socket
 import sys
+import time
 
 import uvicorn
 
-from server.config import build_arg_parser, parse_config, parse_keys_command
+from server.config import ServerConfig, build_arg_parser, parse_config, parse_keys_command
 
 # Long polls hold a connection up to 30 s: on SIGTERM they get this long, then the scheduler's own
 # bounded shutdown runs (server/app.py).
 OPEN_CONNECTIONS_GRACE_SECONDS = 3
+
+
+class AnnouncingServer(uvicorn.Server):
+    """uvicorn's server, saying "Ready" once its socket accepts requests (after the model is loaded)."""
+
+    def __init__(self, config: uvicorn.Config, server_config: ServerConfig, started: float):
+        super().__init__(config)
+        self.server_config, self.started_at = server_config, started
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            from server.banner import ready_line, server_url
+
+            seconds = time.monotonic() - self.started_at
+            print(ready_line(self.server_config, seconds), flush=True)
+            logging.getLogger("server").info("event=ready url=%s seconds=%.1f", server_url(self.server_config),
+                                             seconds)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening address, taken before the model loads: a port in use fails now, not minutes later."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise SystemExit(f"cannot listen on {host}:{port}: {error.strerror}; is another server there? "
+                         f"Choose another --port or --host.") from None
+    return sock
 
 
 def main() -> None:
@@ -19,16 +53,23 @@ def main() -> None:
         from server.keys import run_keys_command
 
         sys.exit(run_keys_command(parse_keys_command(sys.argv[2:])))
+    started = time.monotonic()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     try:
         config = parse_config()
     except ValueError as error:
         build_arg_parser().error(str(error))
+    sock = bind(config.host, config.port)
+    logging.getLogger("server").info("event=starting base_model=%s data_dir=%s (loading libraries, then the model)",
+                                     config.model.base_model, config.data_dir)
     from server.app import create_app
 
     app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
-                timeout_graceful_shutdown=OPEN_CONNECTIONS_GRACE_SECONDS)
+    server = AnnouncingServer(uvicorn.Config(app, log_level="warning",
+                                             timeout_graceful_shutdown=OPEN_CONNECTIONS_GRACE_SECONDS),
+                              config, started)
+    server.run(sockets=[sock])
     if getattr(app.state, "abandoned_threads", False):
         # A request still running past --shutdown-timeout was failed in the journal; its thread would
         # otherwise hold the interpreter's exit until it ends.

@@ -2,7 +2,8 @@
 
 `create_app(config)` is all a caller needs; the lifespan takes the data directory (one server per
 data directory and database), loads the model before the first request is served, prints the
-first API key once, and on shutdown stops taking work and ends every future within a bounded time.
+banner (with the first API key, once), and on shutdown stops taking work and ends every future
+within a bounded time.
 The error handlers turn `TinkerServerError`, validation errors and anything unexpected into a
 4xx/5xx with a body that says what is wrong (never a server path), and give a refused training
 request its seq_id so its run goes on.
@@ -20,8 +21,10 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 
-from server.api import checkpoints, futures, models, operations, rest, sampling, sessions, training, weights
+from server.api import (checkpoints, dashboard, futures, models, operations, rest, sampling, sessions, training,
+                        weights)
 from server.api.deps import Services, authenticate, journal_refusal
+from server.banner import start_banner
 from server.config import ServerConfig
 from server.errors import Conflict, InvalidRequest, TinkerServerError, without_server_paths
 from server.metrics import ServerMetrics
@@ -37,6 +40,7 @@ from server.store.exports import Signer
 from server.store.ownership import AlreadyServed, Ownership
 from server.store.retention import CheckpointPins
 from server.store.store import Store
+from server.training.executor import TrainingExecutor
 from server.training.parallel import free_port, init_training_group
 from server.training.trainer import build_trainer
 from server.training.workers import start_local_ranks
@@ -79,7 +83,9 @@ def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
     render_context = RenderContext.build(base, config.limits.max_sequence_length, images)
     sampler, adapters = build_sampling_engine(config.sampler, config.model, config.images.feature_cache_bytes, base,
                                               config.data_dir)
-    scheduler = Scheduler(store, sampling_workers=sampler.max_concurrent_requests,
+    scheduler = Scheduler(store, TrainingExecutor(trainer), sampling_workers=sampler.max_concurrent_requests,
+                          pass_tokens=trainer_config.max_tokens_per_pass,
+                          pass_runs=trainer_config.max_runs_per_pass,
                           seq_gap_timeout=config.limits.seq_gap_timeout_seconds, metrics=metrics,
                           hidden_paths=(str(config.data_dir),))
     return Services(config=config, store=store, scheduler=scheduler, base=base, trainer=trainer,
@@ -122,21 +128,12 @@ async def _checkpoint_sweep_loop(services: Services) -> None:
             logger.exception("could not delete expired checkpoints")
 
 
-def _bootstrap_banner(services: Services) -> str | None:
-    """On a first start with keys on, issue an admin key for the default tenant; the banner shows it once."""
-    config = services.config
-    if config.auth != "keys" or services.store.has_api_keys():
+def _bootstrap_key(services: Services) -> str | None:
+    """On a first start with keys on, issue an admin key for the default tenant (the banner shows it once)."""
+    if services.config.auth != "keys" or services.store.has_api_keys():
         return None
-    key, record = issue_api_key(services.store, BOOTSTRAP_TENANT, admin=True, label="bootstrap")
-    url = f"http://{config.host}:{config.port}"
-    return "\n".join([
-        "=" * 78,
-        f"  Serving {services.base.name} at {url}",
-        f"  API key of tenant {record.tenant!r} (admin), shown only this once (only its hash is stored):",
-        f"      {key}",
-        f"  Use it:     export TINKER_BASE_URL={url} TINKER_API_KEY={key}",
-        "  More keys:  python -m server keys create --tenant NAME   (list, revoke: python -m server keys -h)",
-        "=" * 78])
+    key, _ = issue_api_key(services.store, BOOTSTRAP_TENANT, admin=True, label="bootstrap")
+    return key
 
 
 class RequestMetrics:
@@ -178,9 +175,9 @@ def create_app(config: ServerConfig) -> FastAPI:
                         asyncio.create_task(_session_expiry_loop(services)),
                         asyncio.create_task(_checkpoint_sweep_loop(services)),
                         asyncio.create_task(services.scheduler.watch(gap_check_seconds))]
-        banner = await asyncio.to_thread(_bootstrap_banner, services)
-        if banner:
-            print(banner, flush=True)
+        key = await asyncio.to_thread(_bootstrap_key, services)
+        print(start_banner(config, services.base.path, services.base.family.model_type, key, BOOTSTRAP_TENANT),
+              flush=True)
         logger.info("event=server_start base_model=%s model_path=%s host=%s port=%d auth=%s database=%s sampler=%s",
                     services.base.name, services.base.path, config.host, config.port, config.auth,
                     services.store.engine.url.get_backend_name(), config.sampler.engine)
@@ -208,7 +205,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_middleware(RequestMetrics, metrics=metrics)
     app.include_router(operations.public_router)
     app.include_router(checkpoints.public_router)
-    for module in (sessions, models, training, weights, sampling, futures, rest, checkpoints, operations):
+    app.include_router(dashboard.public_router)
+    for module in (sessions, models, training, weights, sampling, futures, rest, checkpoints, operations, dashboard):
         app.include_router(module.router, dependencies=[Depends(authenticate)])
 
     def respond(request: Request, error: TinkerServerError) -> JSONResponse:

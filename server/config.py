@@ -60,6 +60,12 @@ class ModelConfig:
 class TrainerConfig:
     max_tokens_per_microbatch: int = 16384
     """Datums are packed into micro-batches of at most this many (padded) tokens."""
+    max_tokens_per_pass: int = 65536
+    """Tokens of forward_backward work one training pass takes, shared fairly among the runs that have
+    some ready (several runs' rows in one pass); a request over its share goes on in the next pass."""
+    max_runs_per_pass: int | None = None
+    """At most this many runs' forward_backward work in one pass (None: no limit); 1 runs the runs one
+    at a time, in turn (the baseline benchmarks/tenants.py compares batching with)."""
     logprob_chunk_size: int = 1024
     """Positions per lm_head chunk: full-vocabulary logits never exist for a whole batch."""
     lora_alpha: float = 32.0
@@ -80,6 +86,10 @@ class TrainerConfig:
     def __post_init__(self):
         if not 1 <= self.local_ranks <= self.world_size:
             raise ValueError(f"need 1 <= local_ranks ({self.local_ranks}) <= world_size ({self.world_size})")
+        if self.max_tokens_per_pass < 1:
+            raise ValueError(f"max_tokens_per_pass must be positive, got {self.max_tokens_per_pass}")
+        if self.max_runs_per_pass is not None and self.max_runs_per_pass < 1:
+            raise ValueError(f"max_runs_per_pass must be positive, got {self.max_runs_per_pass}")
 
 
 @dataclass(frozen=True)
@@ -245,14 +255,35 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default: the value, "off" for a switch, or the help's own words
+    ("default: ...") where the default is derived (None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or action.required or not action.option_strings:
+            return text
+        if action.default is False:
+            return f"{text} (default: off)"
+        return super()._get_help_string(action)
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     """The CLI of `python -m server` (frozen by tests/unit/test_cli.py)."""
-    parser = argparse.ArgumentParser(prog="python -m server", description="Tinker-compatible training service")
+    parser = argparse.ArgumentParser(
+        prog="python -m server", formatter_class=HelpWithDefaults,
+        description="Tinker-compatible training service: point the tinker SDK at it (TINKER_BASE_URL) with an "
+                    "API key it issued (TINKER_API_KEY). Runs in the foreground; `python -m server keys -h` "
+                    "manages API keys.")
     parser.add_argument("--base-model", required=True,
-                        help="model name clients use, e.g. Qwen/Qwen3-VL-4B-Instruct or builtin:tiny-qwen2-vl")
-    parser.add_argument("--model-path", type=Path, default=None, help="directory holding the model's files")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+                        help="model name clients use, e.g. Qwen/Qwen3-VL-4B-Instruct or builtin:tiny-qwen2-vl "
+                             "(required)")
+    parser.add_argument("--model-path", type=Path, default=None,
+                        help="directory holding the model's files (default: built-in models are built under "
+                             "--data-dir, other names are looked up in the local hub cache)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (0.0.0.0: every interface, e.g. in a container)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     _add_store_flags(parser)
     parser.add_argument("--auth", choices=["keys", "none"], default="keys",
                         help="keys: every route but healthz needs an API key (`python -m server keys create`); "
@@ -261,9 +292,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the frozen base weights (LoRA weights and optimizer state stay float32)")
     parser.add_argument("--fwdbwd-chunk-len", type=int, default=None,
-                        help="datums per forward_backward request that clients send (SDK default 1024)")
+                        help="datums per forward_backward request that clients send (default: the SDK's, 1024)")
     parser.add_argument("--image-root", type=Path, default=None,
-                        help="directory that image_asset_pointer chunks may name files in (default: refused)")
+                        help="directory that image_asset_pointer chunks may name files in (default: none, such "
+                             "chunks are refused)")
     parser.add_argument("--image-cache-mb", type=int, default=ImageConfig.decoded_cache_bytes >> 20,
                         help="decoded images kept by content hash (least recently used ones are dropped)")
     parser.add_argument("--feature-cache-mb", type=int, default=ImageConfig.feature_cache_bytes >> 20,
@@ -292,6 +324,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="recompute each decoder block in backward (less memory, about a third more compute)")
     parser.add_argument("--microbatch-tokens", type=int, default=TrainerConfig.max_tokens_per_microbatch,
                         help="padded tokens per forward/backward pass on each training rank")
+    parser.add_argument("--max-tokens-per-pass", type=int, default=TrainerConfig.max_tokens_per_pass,
+                        help="forward_backward tokens per training pass, shared fairly among the runs with work")
+    parser.add_argument("--max-runs-per-pass", type=int, default=None,
+                        help="runs whose forward_backward work may share one training pass (default: no limit; "
+                             "1: one run at a time, in turn)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the decoder blocks and the unembedding (faster GPU steps after warm-up)")
     parser.add_argument("--sampler", choices=["embedded", "vllm"], default="embedded",
@@ -303,7 +340,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-python", type=Path, default=None,
                         help=f"interpreter of the vLLM venv (default: the one scripts/install_vllm.sh builds, "
                              f"{DEFAULT_VLLM_PYTHON})")
-    parser.add_argument("--vllm-url", default=None, help="use a vLLM already running at this URL instead")
+    parser.add_argument("--vllm-url", default=None,
+                        help="use a vLLM already running at this URL instead of starting one (default: start one)")
     parser.add_argument("--vllm-max-loras", type=int, default=VLLMConfig.max_loras,
                         help="adapters that may share one vLLM batch")
     parser.add_argument("--vllm-max-lora-rank", type=int, default=VLLMConfig.max_lora_rank,
@@ -312,13 +350,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="adapters vLLM keeps loaded (least recently used ones are reloaded from disk)")
     parser.add_argument("--vllm-args", default="",
                         help="more flags for the vLLM server, e.g. '--gpu-memory-utilization 0.4'; JSON values "
-                             "pass intact, quoted or not: '--hf-overrides {\"a\": 1}'")
+                             "pass intact, quoted or not: '--hf-overrides {\"a\": 1}' (default: none)")
     return parser
 
 
 def _add_store_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", type=Path, default=Path("./data"),
-                        help="SQLite journal, checkpoints and built-in models live here")
+                        help="SQLite journal, checkpoints and built-in models live here (default: ./data, "
+                             "under the directory the command runs in)")
     parser.add_argument("--database-url", default=None,
                         help="SQLAlchemy URL (e.g. postgresql+psycopg://...); env TINKER_SERVER_DATABASE_URL; "
                              "default: SQLite under --data-dir")
@@ -350,6 +389,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         auth=args.auth, shutdown_timeout_seconds=args.shutdown_timeout,
         trainer=TrainerConfig(local_ranks=args.gpus, activation_checkpointing=args.activation_checkpointing,
                               max_tokens_per_microbatch=args.microbatch_tokens, compile=args.compile,
+                              max_tokens_per_pass=args.max_tokens_per_pass,
+                              max_runs_per_pass=args.max_runs_per_pass,
                               # torchrun's variables when ranks on other nodes join (see the README)
                               world_size=int(os.environ.get("WORLD_SIZE", args.gpus)),
                               master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
@@ -375,17 +416,20 @@ class KeysCommand:
 
 def build_keys_arg_parser() -> argparse.ArgumentParser:
     """The CLI of `python -m server keys` (frozen by tests/unit/test_cli.py)."""
-    parser = argparse.ArgumentParser(prog="python -m server keys",
+    parser = argparse.ArgumentParser(prog="python -m server keys", formatter_class=HelpWithDefaults,
                                      description="issue, list and revoke API keys (only their hashes are stored)")
     actions = parser.add_subparsers(dest="action", required=True)
-    create = actions.add_parser("create", help="issue a key for a tenant and print it (once)")
-    create.add_argument("--tenant", required=True, help="who the key's requests belong to")
+    create = actions.add_parser("create", help="issue a key for a tenant and print it (once)",
+                                formatter_class=HelpWithDefaults)
+    create.add_argument("--tenant", required=True, help="who the key's requests belong to (required)")
     create.add_argument("--admin", action="store_true", help="may also read server-wide data (/metrics)")
-    create.add_argument("--label", default=None, help="a note shown by `keys list`")
-    listing = actions.add_parser("list", help="every key: id, tenant, created, revoked")
-    listing.add_argument("--tenant", default=None, help="only this tenant's keys")
-    revoke = actions.add_parser("revoke", help="revoke a key by its id (from `keys list`)")
-    revoke.add_argument("key_id")
+    create.add_argument("--label", default=None, help="a note shown by `keys list` (default: none)")
+    listing = actions.add_parser("list", help="every key: id, tenant, created, revoked",
+                                 formatter_class=HelpWithDefaults)
+    listing.add_argument("--tenant", default=None, help="only this tenant's keys (default: every tenant's)")
+    revoke = actions.add_parser("revoke", help="revoke a key by its id (from `keys list`)",
+                                formatter_class=HelpWithDefaults)
+    revoke.add_argument("key_id", help="the key's id, e.g. key-1a2b3c4d")
     for sub in (create, listing, revoke):
         _add_store_flags(sub)
     return parser

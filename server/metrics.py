@@ -25,22 +25,35 @@ class ServerMetrics:
                                  ["model_id"], registry=self.registry)
         self.tokens = Counter("tinker_tokens", "Tokens processed: trained (forward/backward input positions) and "
                               "sampled (generated); rate() gives tokens/s", ["kind"], registry=self.registry)
+        self.pass_runs = Histogram("tinker_training_pass_runs", "Training runs whose forward_backward datums "
+                                   "shared one pass", buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
         self.unjournaled = Gauge("tinker_unjournaled_outcomes", "Finished requests whose outcome the journal "
                                  "could not take yet (disk full); answered from memory meanwhile",
                                  registry=self.registry)
         self.registry.register(_GpuMemory())
+        self._queue_depths: dict[str, int] = {}
 
     def observe_request(self, request_type: str, outcome: str, seconds: float) -> None:
         self.request_seconds.labels(request_type, outcome).observe(seconds)
 
     def set_queue_depth(self, model_id: str, depth: int) -> None:
         self.queue_depth.labels(model_id).set(depth)
+        self._queue_depths[model_id] = depth
+
+    def queue_depth_of(self, model_id: str) -> int:
+        """Requests of the run queued or running now (the dashboard reads it per tenant)."""
+        return self._queue_depths.get(model_id, 0)
 
     def forget_run(self, model_id: str) -> None:
+        self._queue_depths.pop(model_id, None)
         try:
             self.queue_depth.remove(model_id)
         except KeyError:
             pass
+
+    def observe_pass(self, num_runs: int, num_tokens: int) -> None:
+        self.pass_runs.observe(num_runs)
+        self.count_tokens("trained", num_tokens)
 
     def count_tokens(self, kind: str, count: int) -> None:
         self.tokens.labels(kind).inc(count)

@@ -240,16 +240,22 @@ class Conformance:
             "prompt_logprobs_last_n": (
                 {"include_prompt_logprobs": True, "prompt_logprobs_last_n": 2},
                 lambda r: _check(r.prompt_logprobs[:-2] == [None] * (num_prompt() - 2), "earlier positions scored")),
-            "topk_sample_logprobs": (
-                {"topk_sample_logprobs": 2},
-                lambda r: _check(all(len(s.topk_logprobs or []) == len(s.tokens) for s in r.sequences),
-                                 "topk_logprobs must have one row per sampled token")),
+            "topk_sample_logprobs": ({"topk_sample_logprobs": 2}, _verify_topk_sampled),
             "target_prompt_logprobs": (
-                {"target_prompt_logprobs": _targets_of},
-                lambda r: _check(r.target_prompt_logprobs is not None, "target_prompt_logprobs missing")),
+                {"include_prompt_logprobs": True, "target_prompt_logprobs": _targets_of},
+                _verify_targets),
+            "target_prompt_logprobs, sparse": (
+                {"include_prompt_logprobs": True,
+                 "target_prompt_logprobs": lambda tokens: _targets_of(tokens, last_only=True)},
+                _verify_targets),
             "prompt_alt_tokens_k": (
                 {"prompt_alt_tokens_k": 2},
-                lambda r: _check(r.prompt_alt_tokens is not None, "prompt_alt_tokens missing")),
+                lambda r: _check(r.prompt_alt_tokens is not None
+                                 and r.prompt_alt_tokens.tokens.shape == [num_prompt() - 1, 2]
+                                 and r.prompt_alt_tokens.logprobs.shape == [num_prompt() - 1, 2]
+                                 and (r.prompt_alt_tokens.logprobs.to_numpy() <= 0).all(),
+                                 "prompt_alt_tokens must hold k draws and their logprobs per prompt position "
+                                 "after the first")),
         }
         for option, (kwargs, verify) in options.items():
             def run(kwargs=kwargs, verify=verify):
@@ -443,9 +449,40 @@ def _per_datum_loss(logprobs, weights):
     return loss, {"custom/nll:sum": loss}
 
 
-def _targets_of(tokens: list[int]) -> types.TensorData:
-    """target_prompt_logprobs asking, at each prompt position, for the logprob of the next prompt token."""
-    return types.TensorData.from_torch(torch.tensor(tokens[1:], dtype=torch.int64)[:, None])
+def _targets_of(tokens: list[int], last_only: bool = False) -> types.TensorData:
+    """target_prompt_logprobs asking at each prompt position (or the last only, as a sparse tensor) for the
+    logprob of the prompt's own token there, and of token 0 beside it."""
+    ids = torch.stack([torch.tensor(tokens[1:], dtype=torch.int64), torch.zeros(len(tokens) - 1, dtype=torch.int64)],
+                      dim=1)
+    if not last_only:
+        return types.TensorData.from_torch(ids)
+    ids[:-1] = -1
+    return types.TensorData.from_torch_sparse(ids, pad_value=-1)
+
+
+def _verify_targets(response: types.SampleResponse) -> None:
+    """The logprob of each prompt token asked for equals its prompt logprob; unasked cells are 0."""
+    targets = _is(types.TensorData, response.target_prompt_logprobs)
+    logprobs = targets.to_torch()
+    prompt_logprobs = torch.tensor(response.prompt_logprobs[1:], dtype=torch.float32)
+    asked = logprobs[:, 0] != 0
+    _check(logprobs.shape == (len(prompt_logprobs), 2) and asked[-1], "one row per prompt position after the first")
+    _check(torch.allclose(logprobs[asked, 0], prompt_logprobs[asked], atol=1e-4),
+           "target logprobs of the prompt's tokens differ from its prompt_logprobs")
+    _check((logprobs[asked, 1] <= 0).all(), "a logprob above 0")
+
+
+def _verify_topk_sampled(response: types.SampleResponse) -> None:
+    """k (token, logprob) per sampled token, best first, holding the sampled token where it ranks among them."""
+    for sequence in response.sequences:
+        _check(sequence.topk_logprobs is not None and len(sequence.topk_logprobs) == len(sequence.tokens),
+               "topk_logprobs must have one row per sampled token")
+        for token, logprob, best in zip(sequence.tokens, sequence.logprobs, sequence.topk_logprobs):
+            values = [value for _, value in best]
+            _check(len(best) == 2 and values == sorted(values, reverse=True), "k entries per token, best first")
+            _check(logprob <= values[0] + 1e-4, "the sampled token is above the best")
+            if logprob >= values[-1] + 1e-4:
+                _check(abs(dict(best).get(token, float("inf")) - logprob) < 1e-4, "the sampled token is missing")
 
 
 def _check(condition: Any, message: str) -> None:

@@ -31,7 +31,7 @@ from server.rendering.sampling import VLLMRenderer
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.engine import SamplingEngine, checkpoint_adapter_name
 from server.sampling.types import SampledSequence
-from server.scheduler.scheduler import Scheduler, Work
+from server.scheduler.scheduler import Respond, Scheduler
 from server.store.api_keys import BOOTSTRAP_TENANT, hash_api_key
 from server.store.checkpoints import parse_tinker_path
 from server.store.exports import Signer
@@ -40,6 +40,7 @@ from server.store.retention import CheckpointPins
 from server.store.sampled_sequences import SampledSequenceRecord
 from server.store.store import (CheckpointRecord, SamplingSessionRecord, SessionRecord, Store,
                                 TrainingRunRecord)
+from server.training.operations import Operation
 from server.training.trainer import Trainer
 from server.wire.proto import read_forward_backward_slot
 from server.wire.types import MAX_ID_LENGTH, MAX_SEQ_ID, LoraConfig, OptimizerConfig
@@ -252,17 +253,29 @@ def ensure_sampling_session(services: Services, *, session_id: str, sampling_ses
     return sampling_session_id
 
 
+@dataclass(frozen=True)
+class TrainingSubmission:
+    """What a training route hands the scheduler: the typed operation, and how its result becomes the response."""
+
+    operation: Operation
+    respond: Respond
+    """The result -> the future's payload (recording what the route records: rows, checkpoint files)."""
+    release: Callable[[], None] | None = None
+    """Let go of what the request holds (a load's pin on its checkpoint), once it is over."""
+
+
 async def submit_training_op(services: Services, *, owner: str, model_id: str, seq_id: int | None,
-                             request_type: str, body: bytes, prepare: Callable[[], Work]) -> str:
+                             request_type: str, body: bytes, prepare: Callable[[], TrainingSubmission]) -> str:
     """Validate (via `prepare`) and submit one training-side request in its model's seq_id order.
 
     `prepare` runs on a worker thread, since rendering decodes images. If it refuses the request,
     the error handler's `journal_refusal` gives the refused request its seq_id.
     """
-    work = await asyncio.to_thread(prepare)
+    submission = await asyncio.to_thread(prepare)
     return await services.scheduler.submit_training(request_id=new_request_id(), request_type=request_type,
                                                     owner=owner, model_id=model_id, seq_id=seq_id,
-                                                    payload_hash=payload_hash(body), work=work)
+                                                    payload_hash=payload_hash(body), operation=submission.operation,
+                                                    respond=submission.respond, release=submission.release)
 
 
 # Routes whose requests run in their model's seq_id order, and the request type each journals.

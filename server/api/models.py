@@ -15,8 +15,10 @@ from server.api.deps import (
     session_of,
     submit_training_op,
     training_run_record,
+    TrainingSubmission,
 )
 from server.scheduler.scheduler import CREATION_SEQ_ID
+from server.training.operations import CreateModel
 from server.wire.types import (
     CreateModelRequest,
     CreateModelResponse,
@@ -46,13 +48,13 @@ async def create_model(request: Request, services: ServicesDep, owner: OwnerDep)
                                  owner=owner, lora=create.lora_config, user_metadata=create.user_metadata)
     model_id = record.model_id
 
-    def work():
-        services.trainer.create_model(model_id, create.lora_config)
+    def respond(_):
         services.store.create_training_run(record)
         return json_result(CreateModelResponse(model_id=model_id))
 
-    request_id = await submit_training_op(services, owner=owner, model_id=model_id, seq_id=CREATION_SEQ_ID,
-                                          request_type="CreateModel", body=body, prepare=lambda: work)
+    request_id = await submit_training_op(
+        services, owner=owner, model_id=model_id, seq_id=CREATION_SEQ_ID, request_type="CreateModel", body=body,
+        prepare=lambda: TrainingSubmission(CreateModel(model_id, create.lora_config), respond))
     return UntypedAPIFuture(request_id=request_id, model_id=model_id)
 
 

@@ -3,6 +3,7 @@
 import asyncio
 from pathlib import Path
 
+import numpy as np
 from fastapi import APIRouter, Request
 
 from server.api.deps import (
@@ -24,7 +25,7 @@ from server.api.deps import (
 from server.errors import InvalidRequest, PayloadTooLarge
 from server.rendering.chunks import RenderedInput
 from server.sampling.engine import checkpoint_adapter_name
-from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
+from server.sampling.types import AdapterRef, LogprobOptions, PromptTargets, SamplingOptions, SamplingRequest
 from server.store.store import SamplingSessionRecord
 from server.wire.proto import SampledSequenceOut, encode_sample_response
 from server.wire.types import (
@@ -32,6 +33,7 @@ from server.wire.types import (
     CreateSamplingSessionResponse,
     GetSamplerResponse,
     SampleRequest,
+    TensorData,
     UntypedAPIFuture,
 )
 
@@ -69,8 +71,9 @@ def pin_adapter(services: Services, record: SamplingSessionRecord | None, model_
     Pinned here, so that a save_weights_for_sampler issued after this request never changes it.
     """
     if record is not None and record.source_model_id is not None:
+        # An inflight session gets its run's newest inflight weights, as they are now.
         snapshot = services.adapters.ephemeral(record.sampling_session_id)
-        return AdapterRef(name=record.sampling_session_id, directory=snapshot.directory, weights=snapshot.adapter)
+        return AdapterRef(name=snapshot.name, directory=snapshot.directory, weights=snapshot.adapter)
     path = record.model_path if record is not None else model_path
     if path is None:
         return None
@@ -104,6 +107,25 @@ def sampling_options(services: Services, request: SampleRequest, prompt: Rendere
                            stop_strings=tuple(stops.stop_strings))
 
 
+def prompt_targets(services: Services, ids: TensorData, prompt: RenderedInput) -> tuple[PromptTargets, np.ndarray]:
+    """The cells target_prompt_logprobs asks for, and which of the tensor's cells those are (-1 asks
+    for nothing, and gets 0)."""
+    num_rows = prompt.num_positions - 1
+    if ids.shape[0] != num_rows:
+        raise InvalidRequest(f"target_prompt_logprobs has {ids.shape[0]} rows; a prompt of {prompt.num_positions} "
+                             f"tokens needs len(prompt) - 1 = {num_rows} (row i scores position i + 1)")
+    rows, token_ids = ids.cells()
+    vocab_size = services.base.vocab_size
+    wrong = (token_ids < -1) | (token_ids >= vocab_size)
+    if wrong.any():
+        raise InvalidRequest(f"target_prompt_logprobs names token id {token_ids[wrong][0]}; ids must lie in "
+                             f"[0, {vocab_size}), or be -1 to ask for nothing")
+    asked = token_ids >= 0
+    if not asked.any():
+        raise InvalidRequest("target_prompt_logprobs names no token id (every cell is -1)")
+    return PromptTargets(positions=rows[asked] + 1, token_ids=token_ids[asked]), asked
+
+
 @router.post("/asample")
 async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
     """Sample completions (and prompt logprobs) for one prompt."""
@@ -117,16 +139,18 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
     adapter = await asyncio.to_thread(pin_adapter, services, record, sample.model_path, owner)
     if sample.num_samples > MAX_NUM_SAMPLES:
         raise InvalidRequest(f"num_samples {sample.num_samples} is over the limit of {MAX_NUM_SAMPLES}")
-    if sample.topk_sample_logprobs or sample.prompt_alt_tokens_k or sample.target_prompt_logprobs is not None:
-        raise InvalidRequest("topk_sample_logprobs, prompt_alt_tokens_k and target_prompt_logprobs are not "
-                             "supported by this server yet")
     if sample.record_stability_info and record is None:
         raise InvalidRequest("record_stability_info needs a sampling session: recorded sequences belong to its session")
     prompt = await asyncio.to_thread(services.sampling_renderer.render, sample.prompt)
+    targets = asked = None
+    if sample.target_prompt_logprobs is not None:
+        targets, asked = prompt_targets(services, sample.target_prompt_logprobs, prompt)
+    logprobs = LogprobOptions(prompt_logprobs=bool(sample.prompt_logprobs),
+                              topk_prompt_logprobs=sample.topk_prompt_logprobs,
+                              topk_sample_logprobs=sample.topk_sample_logprobs, target_prompt_logprobs=targets,
+                              prompt_alt_tokens_k=sample.prompt_alt_tokens_k)
     sampling = SamplingRequest(prompt=prompt, options=sampling_options(services, sample, prompt), adapter=adapter,
-                               num_samples=sample.num_samples,
-                               logprobs=LogprobOptions(prompt_logprobs=bool(sample.prompt_logprobs),
-                                                       topk_prompt_logprobs=sample.topk_prompt_logprobs))
+                               num_samples=sample.num_samples, logprobs=logprobs)
     check_sampled_tokens(services, sample.num_samples, sampling.options.max_tokens)
     sampler_id = sample.sampling_session_id or f"direct:{owner}"
     seq_id = sample.seq_id
@@ -145,11 +169,19 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
         if sample.record_stability_info:
             record_sampled_sequences(services, record, prompt, adapter and adapter.name, sequence_ids,
                                      output.sequences)
-        sequences = [SampledSequenceOut(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason)
+        sequences = [SampledSequenceOut(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason,
+                                        topk_logprobs=s.topk_logprobs)
                      for s in output.sequences]
+        target_logprobs = None
+        if targets is not None:
+            values = np.zeros(len(asked), dtype=np.float32)
+            values[asked] = output.target_prompt_logprobs
+            target_logprobs = (values, sample.target_prompt_logprobs)
+        alt = output.prompt_alt_tokens
         services.metrics.count_tokens("sampled", sum(len(s.tokens) for s in sequences))
-        return encode_sample_response(sequences, prompt_logprobs=prompt_logprobs,
-                                      topk_prompt_logprobs=topk), PROTOBUF
+        return encode_sample_response(sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk,
+                                      target_prompt_logprobs=target_logprobs,
+                                      prompt_alt_tokens=alt and (alt.tokens, alt.logprobs)), PROTOBUF
 
     request_id = await services.scheduler.submit_sampling(
         request_id=request_id, owner=owner, sampling_session_id=sampler_id, seq_id=seq_id,

@@ -94,12 +94,8 @@ async def expire_silent_sessions(services: Services) -> list[str]:
 
 def _retire_runs(services: Services, model_ids: list[str]) -> None:
     for model_id in model_ids:
-        services.scheduler.retire_model(model_id, partial(_unload, services, model_id))
-
-
-def _unload(services: Services, model_id: str) -> None:
-    services.trainer.unload(model_id)
-    services.adapters.forget_run(model_id)
+        # Unloaded after its queued requests; then its ephemeral sampling adapters go too.
+        services.scheduler.retire_model(model_id, partial(services.adapters.forget_run, model_id))
 
 
 @router.get("/sessions")

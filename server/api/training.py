@@ -2,12 +2,15 @@
 
 from fastapi import APIRouter, Request
 
-from server.api.deps import (PROTOBUF, OwnerDep, ServicesDep, check_loss_config, json_result, read_body,
-                             recorded_sequences_of, run_of, submit_training_op, touch_run)
+from server.api.deps import (PROTOBUF, OwnerDep, ServicesDep, TrainingSubmission, check_loss_config, json_result,
+                             read_body, recorded_sequences_of, run_of, submit_training_op, touch_run)
 from server.errors import InvalidRequest
 from server.rendering.provenance import attach_recorded_samples, named_sequence_ids
 from server.rendering.training import render_training_datum
+from server.store.run_metrics import FORWARD_BACKWARD, OPTIM_STEP
+from server.training.curves import curve_metrics
 from server.training.losses import resolve_loss
+from server.training.operations import ForwardBackward, OptimStep
 from server.wire.proto import decode_forward_backward_request, encode_forward_backward_output
 from server.wire.types import AdamParams, OptimStepRequest, OptimStepResponse, UntypedAPIFuture
 
@@ -38,14 +41,15 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
             for index, (datum, example) in enumerate(zip(fwdbwd.data, examples)):
                 attach_recorded_samples(example, datum, index, recorded, vision.image_token_id if vision else None)
 
-        def work():
-            result = services.trainer.forward_backward(fwdbwd.model_id, examples, fwdbwd.loss_fn,
-                                                       fwdbwd.loss_fn_config, fwdbwd.forward_only)
+        def respond(result):
             touch_run(services, fwdbwd.model_id)
-            services.metrics.count_tokens("trained", sum(len(example.input_ids) for example in examples))
+            if not fwdbwd.forward_only:
+                services.store.run_metrics.record(fwdbwd.model_id, FORWARD_BACKWARD,
+                                                  curve_metrics(examples, result.outputs, result.metrics))
             return encode_forward_backward_output(result.outputs, result.metrics), PROTOBUF
 
-        return work
+        return TrainingSubmission(ForwardBackward(fwdbwd.model_id, examples, fwdbwd.loss_fn, fwdbwd.loss_fn_config,
+                                                  fwdbwd.forward_only), respond)
 
     request_id = await submit_training_op(services, owner=owner, model_id=fwdbwd.model_id, seq_id=fwdbwd.seq_id,
                                           request_type="Forward" if fwdbwd.forward_only else "ForwardBackward",
@@ -64,11 +68,11 @@ async def optim_step(request: Request, services: ServicesDep, owner: OwnerDep) -
         if not isinstance(step.adam_params, AdamParams):
             raise InvalidRequest("this server trains with AdamW; send adam_params")
 
-        def work():
-            metrics = services.trainer.optim_step(step.model_id, step.adam_params)
+        def respond(metrics):
+            services.store.run_metrics.record(step.model_id, OPTIM_STEP, metrics)
             return json_result(OptimStepResponse(metrics=metrics))
 
-        return work
+        return TrainingSubmission(OptimStep(step.model_id, step.adam_params), respond)
 
     request_id = await submit_training_op(services, owner=owner, model_id=step.model_id, seq_id=step.seq_id,
                                           request_type="OptimStep", body=body, prepare=prepare)

@@ -27,13 +27,17 @@ from server.api.deps import (
     session_of,
     submit_training_op,
     training_run_record,
+    TrainingSubmission,
 )
 from server.errors import InvalidRequest
+from server.progress import Progress
 from server.scheduler.scheduler import CREATION_SEQ_ID
 from server.store.checkpoints import TinkerPath, parse_tinker_path, remove_checkpoint_files, sync_directory_tree
 from server.store.db import is_disk_full, storage_failure
 from server.store.exports import AGE_SUFFIX, encrypt_files, parse_age_recipients
 from server.store.store import CheckpointRecord, TrainingRunRecord, utcnow
+from server.training.checkpoint_io import AdapterState, save_state
+from server.training.operations import LoadState, SaveState, Snapshot
 from server.wire.lifecycle import SaveWeightsExternalRequest, SaveWeightsExternalResponse
 from server.wire.types import (
     LoadWeightsRequest,
@@ -53,8 +57,9 @@ router = APIRouter(prefix="/api/v1")
 
 def _save(services: Services, run: TrainingRunRecord, tinker_path: TinkerPath, *, overwrite: bool,
           ttl_seconds: int | None, user_metadata: dict[str, str] | None, write) -> int:
-    """Write a checkpoint's files with `write(directory)` and record it (worker thread, in seq_id order);
-    returns its size. Pinned meanwhile, so that the TTL sweeper never removes a version being written."""
+    """Write a checkpoint's files with `write(directory)` and record it (on the checkpoint writer, from the
+    copy the training thread took; saves are written in the order they ran); returns its size. Pinned
+    meanwhile, so that the TTL sweeper never removes a version being written."""
     with services.checkpoint_pins.hold(str(tinker_path)):
         return _write_and_record(services, run, tinker_path, overwrite=overwrite, ttl_seconds=ttl_seconds,
                                  user_metadata=user_metadata, write=write)
@@ -72,8 +77,9 @@ def _write_and_record(services: Services, run: TrainingRunRecord, tinker_path: T
     directory = tinker_path.new_version_directory(checkpoint_dir)
     started = time.perf_counter()
     try:
-        size = write(directory)
-        sync_directory_tree(directory)
+        with Progress("checkpoint_save", f"Saving {tinker_path}", logger, delay=2.0, tinker_path=tinker_path):
+            size = write(directory)
+            sync_directory_tree(directory)
         now = utcnow()
         services.store.add_checkpoint(CheckpointRecord(
             tinker_path=str(tinker_path), model_id=run.model_id, checkpoint_id=tinker_path.checkpoint_id,
@@ -105,13 +111,12 @@ async def save_weights(request: Request, services: ServicesDep, owner: OwnerDep)
         tinker_path = TinkerPath(run.model_id, "weights", save.path or f"state-{save.seq_id}")
         parse_tinker_path(str(tinker_path))  # validates the name
 
-        def work():
+        def respond(state: AdapterState):
             _save(services, run, tinker_path, overwrite=save.overwrite, ttl_seconds=save.ttl_seconds,
-                  user_metadata=save.user_metadata,
-                  write=lambda directory: services.trainer.save_state(run.model_id, directory))
+                  user_metadata=save.user_metadata, write=lambda directory: save_state(directory, state))
             return json_result(SaveWeightsResponse(path=str(tinker_path)))
 
-        return work
+        return TrainingSubmission(SaveState(run.model_id, with_optimizer=True), respond)
 
     request_id = await submit_training_op(services, owner=owner, model_id=run.model_id, seq_id=save.seq_id,
                                           request_type="SaveWeights", body=body, prepare=prepare)
@@ -126,27 +131,23 @@ async def save_weights_for_sampler(request: Request, services: ServicesDep, owne
     run = run_of(services.store, save.model_id, owner)
 
     def prepare():
-        if save.kind == "inflight":
-            raise InvalidRequest("kind='inflight' sampling clients are not supported by this server yet; "
-                                 "use kind='snapshot'")
         if save.path is None:
-            return ephemeral_work
+            return TrainingSubmission(Snapshot(run.model_id), ephemeral_session)
 
         tinker_path = TinkerPath(run.model_id, "sampler_weights", save.path)
         parse_tinker_path(str(tinker_path))
 
-        def work():
+        def respond(state: AdapterState):
             _save(services, run, tinker_path, overwrite=True, ttl_seconds=save.ttl_seconds,
-                  user_metadata=save.user_metadata,
-                  write=lambda directory: services.trainer.save_for_sampler(run.model_id, directory))
+                  user_metadata=save.user_metadata, write=lambda directory: save_state(directory, state))
             return json_result(SaveWeightsForSamplerResponse(path=str(tinker_path)))
 
-        return work
+        return TrainingSubmission(SaveState(run.model_id, with_optimizer=False), respond)
 
-    def ephemeral_work():
+    def ephemeral_session(adapter):
         sampling_session_id = sampling_session_id_for(run.session_id, save.sampling_session_seq_id)
-        services.adapters.add_ephemeral(sampling_session_id, run.model_id, services.trainer.snapshot(run.model_id),
-                                        services.base.name)
+        services.adapters.add_ephemeral(sampling_session_id, run.model_id, adapter, services.base.name,
+                                        inflight=save.kind == "inflight")
         ensure_sampling_session(services, session_id=run.session_id, owner=owner, source_model_id=run.model_id,
                                 sampling_session_seq_id=save.sampling_session_seq_id)
         return json_result(SaveWeightsForSamplerResponse(sampling_session_id=sampling_session_id))
@@ -169,16 +170,16 @@ async def save_weights_external(request: Request, services: ServicesDep, owner: 
         recipients = parse_age_recipients(save.age_encryption_recipients) if save.age_encryption_recipients \
             else None
 
-        def write(directory):
-            size = services.trainer.save_for_sampler(run.model_id, directory)
-            return size if recipients is None else encrypt_files(directory, recipients)
+        def respond(state: AdapterState):
+            def write(directory):
+                size = save_state(directory, state)
+                return size if recipients is None else encrypt_files(directory, recipients)
 
-        def work():
             size = _save(services, run, tinker_path, overwrite=True, ttl_seconds=save.ttl_seconds,
                          user_metadata=None, write=write)
             return json_result(SaveWeightsExternalResponse(path=str(tinker_path), size_bytes=size))
 
-        return work
+        return TrainingSubmission(SaveState(run.model_id, with_optimizer=False), respond)
 
     request_id = await submit_training_op(services, owner=owner, model_id=run.model_id, seq_id=save.seq_id,
                                           request_type="SaveWeightsExternal", body=body, prepare=prepare)
@@ -191,48 +192,35 @@ async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep)
     body = await read_body(request, services.config.limits.max_request_bytes)
     load = LoadWeightsRequest.model_validate_json(body)
 
-    def readable_checkpoint() -> CheckpointRecord:
-        # Looked up when the request is accepted (a 404 at once) and again, pinned, when it runs: a
-        # checkpoint that expired or was deleted while the request waited for its turn fails it cleanly.
-        record = checkpoint_of(services, load.path, owner, access_token=load.weights_access_token)
-        if any(Path(record.directory).glob(f"*{AGE_SUFFIX}")):
-            raise InvalidRequest(f"{load.path} is age-encrypted: download it (external_weights_urls), it cannot "
-                                 f"be loaded")
-        return record
-
     if load.model_id is not None:
         run = run_of(services.store, load.model_id, owner)
-        model_id, seq_id = run.model_id, load.seq_id
+        model_id, seq_id, create = run.model_id, load.seq_id, False
 
-        def prepare():
-            readable_checkpoint()
-
-            def work():
-                with services.checkpoint_pins.hold(load.path):
-                    services.trainer.load_state(model_id, readable_checkpoint().directory, load.optimizer)
-                return json_result(LoadWeightsResponse(path=load.path, model_id=model_id))
-
-            return work
+        def respond(lora):
+            return json_result(LoadWeightsResponse(path=load.path, model_id=model_id))
     else:
         session_of(services.store, load.session_id, owner)
         check_base_model(services, load.base_model)
         check_optimizer(load.optimizer_config)
         check_run_quota(services, owner)
-        model_id, seq_id = model_id_for(load.session_id, load.model_seq_id), CREATION_SEQ_ID
+        model_id, seq_id, create = model_id_for(load.session_id, load.model_seq_id), CREATION_SEQ_ID, True
 
-        def prepare():
-            readable_checkpoint()
+        def respond(lora):
+            services.store.create_training_run(training_run_record(
+                services, session_id=load.session_id, model_seq_id=load.model_seq_id, owner=owner, lora=lora,
+                user_metadata=load.user_metadata))
+            return json_result(LoadWeightsResponse(path=load.path, model_id=model_id))
 
-            def work():
-                with services.checkpoint_pins.hold(load.path):
-                    lora = services.trainer.create_model_from_checkpoint(model_id, readable_checkpoint().directory,
-                                                                         load.optimizer)
-                services.store.create_training_run(training_run_record(
-                    services, session_id=load.session_id, model_seq_id=load.model_seq_id, owner=owner, lora=lora,
-                    user_metadata=load.user_metadata))
-                return json_result(LoadWeightsResponse(path=load.path, model_id=model_id))
-
-            return work
+    def prepare():
+        # The checkpoint is looked up and pinned when the request is accepted (a 404 at once), and stays
+        # pinned until the request is over: the TTL sweeper leaves it alone while it waits for its turn.
+        record = checkpoint_of(services, load.path, owner, access_token=load.weights_access_token)
+        if any(Path(record.directory).glob(f"*{AGE_SUFFIX}")):
+            raise InvalidRequest(f"{load.path} is age-encrypted: download it (external_weights_urls), it cannot "
+                                 f"be loaded")
+        services.checkpoint_pins.acquire(record.tinker_path)
+        return TrainingSubmission(LoadState(model_id, Path(record.directory), load.optimizer, create), respond,
+                                  release=lambda: services.checkpoint_pins.release(record.tinker_path))
 
     request_id = await submit_training_op(services, owner=owner, model_id=model_id, seq_id=seq_id,
                                           request_type="LoadWeights", body=body, prepare=prepare)

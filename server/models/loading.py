@@ -4,6 +4,7 @@ Knows the three places a model can come from: a built-in model (built on first u
 explicit `--model-path` directory, or the local hub cache. Never touches the network.
 """
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,13 @@ from server.config import BUILTIN_PREFIX, ModelConfig
 from server.models.image_processor import ImageProcessorSpec
 from server.models.registry import ModelFamily, VisionSpec, family_for
 from server.models.builtin import ensure_builtin_model
+from server.progress import Progress, on_terminal
 
+logger = logging.getLogger(__name__)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if not on_terminal():
+    # Their bars, redrawn with carriage returns, only garble a log file; Progress logs lines instead.
+    transformers.utils.logging.disable_progress_bar()
 
 
 @dataclass(frozen=True)
@@ -64,13 +70,18 @@ def resolve_model_dir(config: ModelConfig) -> Path:
 
 def load_base_model(config: ModelConfig, device: torch.device | str | None = None) -> LoadedModel:
     """Load the frozen base model in `config.dtype` on `device` (default `config.device`)."""
-    path = resolve_model_dir(config)
-    hf_config = transformers.AutoConfig.from_pretrained(path)
-    family = family_for(hf_config.model_type)
-    auto_class = getattr(transformers, family.auto_class)
-    model = auto_class.from_pretrained(path, dtype=getattr(torch, config.dtype), attn_implementation="sdpa")
-    model.to(device if device is not None else config.device).eval().requires_grad_(False)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    device = device if device is not None else config.device
+    with Progress("model_load", f"Loading {config.base_model}", logger, base_model=config.base_model,
+                  device=device, dtype=config.dtype) as step:
+        path = resolve_model_dir(config)
+        step.note(f"weights from {path}")
+        hf_config = transformers.AutoConfig.from_pretrained(path)
+        family = family_for(hf_config.model_type)
+        auto_class = getattr(transformers, family.auto_class)
+        model = auto_class.from_pretrained(path, dtype=getattr(torch, config.dtype), attn_implementation="sdpa")
+        step.note(f"moving to {device}")
+        model.to(device).eval().requires_grad_(False)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     eos = model.generation_config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else (tokenizer.eos_token_id,))
     return LoadedModel(name=config.base_model, path=path, family=family, model=model, tokenizer=tokenizer,

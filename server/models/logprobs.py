@@ -24,9 +24,19 @@ def mask_refused(logits_NV: torch.Tensor, refused_M: torch.Tensor) -> torch.Tens
     return logits_NV.index_fill(-1, refused_M, float("-inf"))
 
 
+def renormalised_logprobs(logits_NV: torch.Tensor, refused_M: torch.Tensor) -> torch.Tensor:
+    """fp32 log-probabilities [N, V] of the renormalised distribution (-inf at the refused ids)."""
+    return torch.log_softmax(mask_refused(logits_NV.float(), refused_M), dim=-1)
+
+
 def target_logprobs(logits_NV: torch.Tensor, targets_NK: torch.Tensor, refused_M: torch.Tensor) -> torch.Tensor:
     """fp32 log p(target) [N, K] under the renormalised distribution; 0 where the target is refused."""
-    logprobs_NK = torch.log_softmax(mask_refused(logits_NV.float(), refused_M), dim=-1).gather(-1, targets_NK)
+    logprobs_NK = renormalised_logprobs(logits_NV, refused_M).gather(-1, targets_NK)
+    return zero_refused_targets(logprobs_NK, targets_NK, refused_M)
+
+
+def zero_refused_targets(values_NK: torch.Tensor, targets_NK: torch.Tensor, refused_M: torch.Tensor) -> torch.Tensor:
+    """`values_NK` with 0 where the target is refused (its logprob is a constant 0, its gradient none)."""
     if refused_M.numel() == 0:
-        return logprobs_NK
-    return torch.where(torch.isin(targets_NK, refused_M), 0.0, logprobs_NK)
+        return values_NK
+    return torch.where(torch.isin(targets_NK, refused_M), 0.0, values_NK)

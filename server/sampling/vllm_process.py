@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from server.config import VLLMConfig
 from server.errors import EngineUnavailable
 from server.models.registry import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+from server.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -156,16 +157,19 @@ class VLLMProcess(VLLMEndpoint):
             self._url = f"http://127.0.0.1:{port}"
         process, url = self._process, self._url
         started = time.monotonic()
-        while not _healthy(url):
-            if process.poll() is not None:
-                raise EngineUnavailable(f"vLLM exited with code {process.returncode} while starting; "
-                                        f"log {self.log_path}:\n{self._log_tail()}")
-            if time.monotonic() - started > self.config.startup_timeout_s:
-                _stop_process_group(process)
-                raise EngineUnavailable(f"vLLM did not answer /health within {self.config.startup_timeout_s:.0f} s; "
-                                        f"log {self.log_path}:\n{self._log_tail()}")
-            time.sleep(0.5)
-        logger.info("vLLM ready at %s after %.1f s (log %s)", url, time.monotonic() - started, self.log_path)
+        with Progress("vllm_start", "Starting vLLM", logger, url=url, log=self.log_path) as step:
+            while not _healthy(url):
+                if process.poll() is not None:
+                    raise EngineUnavailable(f"vLLM exited with code {process.returncode} while starting; "
+                                            f"log {self.log_path}:\n{self._log_tail()}")
+                if time.monotonic() - started > self.config.startup_timeout_s:
+                    _stop_process_group(process)
+                    raise EngineUnavailable(f"vLLM did not answer /health within "
+                                            f"{self.config.startup_timeout_s:.0f} s; log {self.log_path}:\n"
+                                            f"{self._log_tail()}")
+                step.note(self._last_log_line())
+                time.sleep(0.5)
+        logger.info("event=vllm_ready url=%s seconds=%.1f log=%s", url, time.monotonic() - started, self.log_path)
         self._ready.set()
 
     def _watch(self) -> None:
@@ -203,6 +207,11 @@ class VLLMProcess(VLLMEndpoint):
         logger.error(message)
         self._failure = message
         self._ready.set()
+
+    def _last_log_line(self) -> str:
+        """What vLLM is doing now (loading weights, profiling, capturing graphs), for the progress line."""
+        lines = self._log_tail().strip().splitlines()
+        return lines[-1] if lines else ""
 
     def _log_tail(self) -> str:
         with open(self.log_path, "rb") as log:

@@ -1,37 +1,80 @@
-"""Futures, per-model seq_id order, retry deduplication, refusals, gaps and the worker threads.
+"""Futures, per-run seq_id order, retry deduplication, refusals, gaps, fair training passes and the
+worker threads.
 
-Every submitted request is journaled as a future before it is acknowledged. A model's training
-requests run strictly in seq_id order (the SDK sends a forward_backward's chunks concurrently,
-the first one last); a retry with a (model_id, seq_id) already journaled gets the original
-request id and never runs twice. A refused request still takes its seq_id (as a failed future),
-and a seq_id that never arrives fails the requests queued behind it after a bounded wait, so one
-bad call never wedges a run. Training has one worker thread and sampling its own (several when the
-engine batches concurrent requests), so sampling never waits behind training. Waiters are woken in
-memory; the database is only the journal, and an outcome it cannot take (a full disk) is kept in
-memory and answered from there until it can.
+Every submitted request is journaled as a future before it is acknowledged. A run's training
+requests become ready strictly in seq_id order (the SDK sends a forward_backward's chunks
+concurrently, the first one last); a retry with a (model_id, seq_id) already journaled gets the
+original request id and never runs twice. A refused request still takes its seq_id (as a failed
+future), and a seq_id that never arrives fails the requests queued behind it after a bounded wait,
+so one bad call never wedges a run.
+
+Ready requests are typed operations (training/operations.py), run by one training thread through
+the executor in cycles: first each run's next operation that is not a forward_backward (optim_step,
+a save's copy, a load: short), then one pass of forward_backward / forward operations of several
+runs together, shared fairly under a token budget (scheduler/passes.py); a request bigger than its
+share goes on in the next pass. So eight tenants' small steps take one pass, and no tenant's long
+job holds another's small step for more than a pass. A save's future completes off the training
+thread: the checkpoint writer writes the host copy and records it, while training goes on.
+Sampling has its own threads (several when the engine batches concurrent requests). Waiters are
+woken in memory; the database is only the journal, and an outcome it cannot take (a full disk) is
+kept in memory and answered from there until it can.
 """
 
 import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from server.errors import (Conflict, InsufficientStorage, InvalidRequest, NotFound, ShuttingDown, TinkerServerError,
                            without_server_paths)
 from server.metrics import ServerMetrics
+from server.scheduler.passes import share_pass
 from server.store.db import storage_failure
 from server.store.store import FutureRecord, Store, utcnow
+from server.training.executor import TrainingExecutor
+from server.training.operations import ForwardBackward, Operation, SaveState, Unload
 
 logger = logging.getLogger(__name__)
 
 CREATION_SEQ_ID = 0
+# Saves copied but not yet written: a client saving faster than the disk takes holds the training
+# thread here, so that host copies never pile up.
+MAX_PENDING_WRITES = 2
 
-# What a unit of work returns: the result payload and its content type.
+Respond = Callable[[Any], tuple[bytes, str]]
+"""Turns an operation's result into the future's payload and content type, recording what the route
+needs recorded (a checkpoint's files and row, a run's row); runs after the operation, never on the
+event loop."""
 Work = Callable[[], tuple[bytes, str]]
+"""A sampling request's work: the result payload and its content type."""
+
+
+@dataclass
+class TrainingRequest:
+    """A journaled training request whose turn has come (or is waiting for it)."""
+
+    request_id: str | None
+    """None for the scheduler's own operations (unloading a retired run), which have no future."""
+    request_type: str
+    model_id: str
+    operation: Operation
+    respond: Respond
+    release: Callable[[], None] | None = None
+    """Called once the request is over, whatever its outcome (a load's hold on its checkpoint)."""
+    sequenced: bool = False
+    """Counted in its run's queue (it came in seq_id order, not as a creation or without a seq_id)."""
+    started: float | None = None
+    done: int = 0
+    """forward_backward: datums run so far (a request may span several passes)."""
+    result: Any = None
+    """forward_backward: the outputs of the datums run so far."""
 
 
 @dataclass
@@ -39,8 +82,7 @@ class _ModelQueue:
     """Requests of one training model waiting for their turn; None marks a refused (already failed) seq_id."""
 
     next_seq_id: int = 1
-    waiting: dict[int, tuple[str, str, Work] | None] = field(default_factory=dict)
-    """seq_id -> (request_id, request_type, work)."""
+    waiting: dict[int, TrainingRequest | None] = field(default_factory=dict)
     arrived_at: dict[int, float] = field(default_factory=dict)
     in_flight: int = 0
     idle_since: float = field(default_factory=time.monotonic)
@@ -65,51 +107,87 @@ def _not_loaded(model_id: str) -> str:
 
 
 class Scheduler:
-    def __init__(self, store: Store, sampling_workers: int = 1, *, seq_gap_timeout: float = 120.0,
+    def __init__(self, store: Store, executor: TrainingExecutor, sampling_workers: int = 1, *,
+                 pass_tokens: int = 65536, pass_runs: int | None = None, seq_gap_timeout: float = 120.0,
                  metrics: ServerMetrics | None = None, hidden_paths: tuple[str, ...] = ()):
+        """
+        Args:
+            pass_tokens: the token budget of one forward_backward pass, shared among the runs with work.
+            pass_runs: at most this many runs in one pass (None: no limit; 1: one run at a time, in turn).
+        """
         self.store = store
+        self.executor = executor
+        self.pass_tokens = pass_tokens
+        self.pass_runs = pass_runs
         self.seq_gap_timeout = seq_gap_timeout
         self.metrics = metrics or ServerMetrics()
         self._hidden_paths = hidden_paths
-        self._training = ThreadPoolExecutor(max_workers=1, thread_name_prefix="training")
         # One sampling thread for an engine that runs one request at a time; many for one that batches
         # whatever is in flight (vLLM), so each request completes when its own generation ends.
         self._sampling = ThreadPoolExecutor(max_workers=sampling_workers, thread_name_prefix="sampling")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self._write_slots = threading.Semaphore(MAX_PENDING_WRITES)
         self._queues: dict[str, _ModelQueue] = {}
+        """Event loop only: each run's requests waiting for their seq_id's turn."""
+        self._lock = threading.Condition()
+        self._ready: dict[str, deque[TrainingRequest]] = {}
+        """Each run's requests whose turn came, in order (shared with the training thread, under _lock)."""
+        self._last_served: dict[str, int] = {}
+        """The pass in which each run last had datums: passes are shared least recently served first."""
+        self._passes = 0
+        self._running: dict[str, TrainingRequest] = {}
+        """Training requests taken off the ready queues and not finished (a save's until it is written)."""
+        self._finishing = threading.Lock()
+        """Held while an outcome is recorded, so that close() never fails a request that just finished."""
+        self._abandoned: set[str] = set()
+        self._stopping = False
         self._waiters: dict[str, asyncio.Event] = {}
         self._dispatched: dict[str, concurrent.futures.Future] = {}
+        """Sampling requests handed to the sampling threads."""
         self._unjournaled: dict[str, FutureRecord] = {}
         """Outcomes the journal could not take yet (a full disk), answered from memory meanwhile."""
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._training = threading.Thread(target=self._train, name="training", daemon=True)
+        self._training.start()
 
     async def submit_training(self, *, request_id: str, request_type: str, owner: str, model_id: str,
-                              seq_id: int | None, payload_hash: str, work: Work) -> str:
+                              seq_id: int | None, payload_hash: str, operation: Operation, respond: Respond,
+                              release: Callable[[], None] | None = None) -> str:
         """Journal a training-side request and run it in its model's seq_id order; returns its request id.
 
         A model's creation (create_model or create-via-load) is journaled as seq_id 0, so a retried
         creation is deduplicated too, and runs at once; the SDK numbers the model's later requests
-        from 1. A request without a seq_id also runs at once.
+        from 1. A request without a seq_id also runs at once. `release` is called once the request is
+        over, whether it ran, failed or was never run.
         """
-        record = await self._journal(request_id, request_type, owner, model_id, seq_id, payload_hash)
+        try:
+            record = await self._journal(request_id, request_type, owner, model_id, seq_id, payload_hash)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
         if record.request_id != request_id:
+            if release is not None:
+                release()
             return record.request_id
+        request = TrainingRequest(request_id, request_type, model_id, operation, respond, release)
         if seq_id == CREATION_SEQ_ID:
             self._queues[model_id] = _ModelQueue()
         if seq_id is None or seq_id == CREATION_SEQ_ID:
-            self._dispatch(self._training, request_id, request_type, work)
+            self._make_ready(request)
             return request_id
         queue = self._queues.get(model_id)
         if queue is None:
             # Not created since this server started, or its session was closed: it would wait forever.
-            self._fail_now(request_id, NotFound(_not_loaded(model_id)))
+            self._fail_unrun(request, NotFound(_not_loaded(model_id)))
             return request_id
         if seq_id < queue.next_seq_id:
-            self._fail_now(request_id, InvalidRequest(
+            self._fail_unrun(request, InvalidRequest(
                 f"seq_id {seq_id} of {model_id} comes after seq_id {queue.next_seq_id - 1} already ran (or was "
                 f"skipped when it never arrived)"))
             return request_id
-        queue.waiting[seq_id] = (request_id, request_type, work)
+        queue.waiting[seq_id] = request
         queue.arrived_at[seq_id] = time.monotonic()
         self._advance(model_id, queue)
         return request_id
@@ -137,21 +215,22 @@ class Scheduler:
         """Journal a sampling request (deduplicated on (sampling_session_id, seq_id)) and run it."""
         record = await self._journal(request_id, "Sample", owner, sampling_session_id, seq_id, payload_hash)
         if record.request_id == request_id:
-            self._dispatch(self._sampling, request_id, "Sample", work)
+            self._dispatched[request_id] = self._sampling.submit(self._sample, request_id, work)
         return record.request_id
 
-    def retire_model(self, model_id: str, cleanup: Callable[[], None]) -> None:
-        """Stop accepting a model's requests and run `cleanup` on the training thread after its queued work.
+    def retire_model(self, model_id: str, then: Callable[[], None]) -> None:
+        """Stop accepting a model's requests and unload it after its ready requests, then call `then`
+        (on the training thread).
 
         Requests still waiting for an earlier seq_id fail now; later ones fail as not loaded.
         """
         queue = self._queues.pop(model_id, None)
-        for entry in (queue.waiting.values() if queue else []):
-            if entry is not None:
-                self._fail_now(entry[0], NotFound(_not_loaded(model_id)))
+        for request in (queue.waiting.values() if queue else []):
+            if request is not None:
+                self._fail_unrun(request, NotFound(_not_loaded(model_id)))
         self.metrics.forget_run(model_id)
         if not self._closing:
-            self._training.submit(cleanup)
+            self._make_ready(TrainingRequest(None, "Unload", model_id, Unload(model_id), lambda _: then()))
 
     def fail_stalled_gaps(self, now: float | None = None) -> list[tuple[str, int]]:
         """Fail the requests queued behind a seq_id that has not arrived within the gap timeout.
@@ -174,9 +253,9 @@ class Scheduler:
                                    f"(it was lost, or refused before its seq_id could be read); the requests "
                                    f"queued behind it are failed and the run goes on")
             for seq_id in sorted(queue.waiting):
-                entry = queue.waiting.pop(seq_id)
-                if entry is not None:
-                    self._fail_now(entry[0], error)
+                request = queue.waiting.pop(seq_id)
+                if request is not None:
+                    self._fail_unrun(request, error)
                 queue.next_seq_id = seq_id + 1
             queue.arrived_at.clear()
             given_up.append((model_id, missing))
@@ -217,26 +296,41 @@ class Scheduler:
         """Accept no more work, fail what is queued, give running requests `timeout` seconds, fail the rest."""
         self._closing = True
         stopping = ShuttingDown("the server shut down before this request ran; send it again once it is back")
-        never_dispatched = [entry[0] for model_id in list(self._queues)
-                            for entry in self._queues.pop(model_id).waiting.values() if entry is not None]
-        for request_id in never_dispatched:
+        queued = [request for model_id in list(self._queues)
+                  for request in self._queues.pop(model_id).waiting.values() if request is not None]
+        with self._lock:
+            self._stopping = True
+            queued += [request for lane in self._ready.values() for request in lane if request.request_id is not None]
+            self._ready.clear()
+            running = dict.fromkeys(self._running)
+            self._lock.notify_all()
+        self._sampling.shutdown(wait=False, cancel_futures=True)
+        sampling = dict(self._dispatched)
+        never_run = [request.request_id for request in queued]
+        never_run += [request_id for request_id, future in sampling.items() if future.cancelled()]
+        for request_id in never_run:
             self._record(request_id, _failure(request_id, stopping))
-        for executor in (self._training, self._sampling):
-            executor.shutdown(wait=False, cancel_futures=True)
-        dispatched = dict(self._dispatched)
-        cancelled = [request_id for request_id, future in dispatched.items() if future.cancelled()]
-        for request_id in cancelled:
-            self._record(request_id, _failure(request_id, stopping))
-        running = [future for future in dispatched.values() if not future.cancelled()]
-        done, not_done = concurrent.futures.wait(running, timeout=timeout)
+        for request in queued:
+            if request.release is not None:
+                request.release()
+        sampling_running = [future for future in sampling.values() if not future.cancelled()]
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._lock.wait_for(lambda: not running.keys() & self._running.keys(), timeout)
+        with self._finishing, self._lock:
+            unfinished = [request_id for request_id in running if request_id in self._running]
+            self._abandoned.update(unfinished)
+        _, sampling_unfinished = concurrent.futures.wait(sampling_running,
+                                                         timeout=max(0.0, deadline - time.monotonic()))
+        self._writer.shutdown(wait=False, cancel_futures=True)
+        unfinished += [request_id for request_id, future in sampling.items() if future in sampling_unfinished]
         interrupted = ShuttingDown(f"the server shut down while this request ran (it did not finish within "
                                    f"{timeout:g} s); its effect is lost: send it again once the server is back")
-        for request_id, future in dispatched.items():
-            if future in not_done:
-                self._record(request_id, _failure(request_id, interrupted))
+        for request_id in unfinished:
+            self._record(request_id, _failure(request_id, interrupted))
         self._flush_unjournaled()
-        return ShutdownReport(finished=len(done), cancelled=len(never_dispatched) + len(cancelled),
-                              interrupted=len(not_done))
+        return ShutdownReport(finished=len(running) + len(sampling_running) - len(unfinished),
+                              cancelled=len(never_run), interrupted=len(unfinished))
 
     async def _read(self, request_id: str) -> FutureRecord:
         record = await asyncio.to_thread(self.store.get_future, request_id)
@@ -265,43 +359,200 @@ class Scheduler:
         return record
 
     def _advance(self, model_id: str, queue: _ModelQueue) -> None:
-        # One FIFO training thread: dispatch order is execution order.
+        """Make the run's requests ready while the next seq_id is there."""
         while queue.next_seq_id in queue.waiting:
-            entry = queue.waiting.pop(queue.next_seq_id)
+            request = queue.waiting.pop(queue.next_seq_id)
             del queue.arrived_at[queue.next_seq_id]
             queue.next_seq_id += 1
-            if entry is not None:
+            if request is not None:
                 queue.in_flight += 1
-                self._dispatch(self._training, *entry, model_id)
+                request.sequenced = True
+                self._make_ready(request)
         self.metrics.set_queue_depth(model_id, len(queue.waiting) + queue.in_flight)
 
-    def _dispatch(self, executor: ThreadPoolExecutor, request_id: str, request_type: str, work: Work,
-                  model_id: str | None = None) -> None:
-        self._dispatched[request_id] = executor.submit(self._run, request_id, request_type, work, model_id)
+    def _make_ready(self, request: TrainingRequest) -> None:
+        with self._lock:
+            self._ready.setdefault(request.model_id, deque()).append(request)
+            self._lock.notify_all()
 
-    def _run(self, request_id: str, request_type: str, work: Work, model_id: str | None) -> None:
-        """Worker thread: run the work and record its result or error on the future."""
+    # -- the training thread ---------------------------------------------------------------------
+
+    def _train(self) -> None:
+        """Run cycles until closed: each run's next operation that is not a forward_backward, then one pass."""
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._stopping or any(self._ready.values()))
+                if self._stopping:
+                    return
+                alone, passing = self._next_cycle()
+                for request in [*alone, *(request for request, _ in passing)]:
+                    request.started = request.started or time.perf_counter()
+                    if request.request_id is not None:
+                        self._running[request.request_id] = request
+            for request in alone:
+                self._run_alone(request)
+            if passing:
+                self._run_pass(passing)
+
+    def _next_cycle(self) -> tuple[list[TrainingRequest], list[tuple[TrainingRequest, int]]]:
+        """Take each run's next request that runs alone, and the next pass (under _lock): requests with how
+        many more of their datums the pass runs."""
+        for model_id in [model_id for model_id, lane in self._ready.items() if not lane]:
+            del self._ready[model_id]
+            self._last_served.pop(model_id, None)
+        alone, offers = [], []
+        for model_id, lane in self._ready.items():
+            if not isinstance(lane[0].operation, ForwardBackward):
+                alone.append(lane.popleft())
+            else:
+                offers.append(model_id)
+        if not offers:
+            return alone, []
+        offers.sort(key=lambda model_id: self._last_served.get(model_id, -1))
+        offers = offers[:self.pass_runs]
+        forward_only = self._ready[offers[0]][0].operation.forward_only
+        streams = {}
+        for model_id in offers:
+            stream = []
+            for request in self._ready[model_id]:
+                operation = request.operation
+                if not isinstance(operation, ForwardBackward) or operation.forward_only != forward_only:
+                    break
+                stream.append(request)
+            if stream:
+                streams[model_id] = stream
+        taken = share_pass([[tokens for request in stream for tokens in request.operation.datum_tokens()[request.done:]]
+                            for stream in streams.values()], self.pass_tokens)
+        self._passes += 1
+        passing = []
+        for (model_id, stream), count in zip(streams.items(), taken):
+            if count:
+                self._last_served[model_id] = self._passes
+            for request in stream:
+                if count == 0:
+                    break
+                datums = min(count, len(request.operation.examples) - request.done)
+                passing.append((request, datums))
+                self._ready[model_id].popleft()
+                count -= datums
+        return alone, passing
+
+    def _run_alone(self, request: TrainingRequest) -> None:
+        try:
+            result = self.executor.run(request.operation)
+        except Exception as error:
+            self._finish(request, error=error)
+            return
+        if isinstance(request.operation, SaveState):
+            # The copy is taken; the disk is the writer's wait, not the next step's.
+            self._write_slots.acquire()
+            try:
+                self._writer.submit(self._write, request, result)
+            except RuntimeError:  # the writer is shut down: the server is stopping
+                self._write_slots.release()
+                self._finish(request, error=ShuttingDown("the server shut down before this checkpoint was written"))
+            return
+        self._finish(request, result)
+
+    def _write(self, request: TrainingRequest, state) -> None:
+        try:
+            self._finish(request, state)
+        finally:
+            self._write_slots.release()
+
+    def _run_pass(self, passing: list[tuple[TrainingRequest, int]]) -> None:
+        """One forward/backward over a slice of each request's datums; a request whose last datum ran finishes."""
+        pieces = [dataclasses.replace(request.operation, examples=request.operation.examples[
+            request.done:request.done + datums]) for request, datums in passing]
+        self.metrics.observe_pass(len({request.model_id for request, _ in passing}),
+                                  sum(len(e.input_ids) for piece in pieces for e in piece.examples))
+        outcomes = self.executor.run_pass(pieces)
+        unfinished = []
+        for (request, datums), outcome in zip(passing, outcomes):
+            if isinstance(outcome, Exception):
+                self._finish(request, error=outcome)
+                continue
+            if request.result is None:
+                request.result = outcome
+            else:
+                request.result.extend(outcome)
+            request.done += datums
+            if request.done == len(request.operation.examples):
+                self._finish(request, request.result)
+            else:
+                unfinished.append(request)
+        with self._lock:
+            stopping = self._stopping
+            if not stopping:
+                for request in reversed(unfinished):  # back at the front of its run's queue
+                    self._running.pop(request.request_id, None)
+                    self._ready.setdefault(request.model_id, deque()).appendleft(request)
+                self._lock.notify_all()
+        for request in unfinished if stopping else []:
+            self._finish(request, error=ShuttingDown("the server shut down while this request ran (part of its "
+                                                     "datums had run); its effect is lost: send it again once the "
+                                                     "server is back"))
+
+    def _finish(self, request: TrainingRequest, result: Any = None, error: Exception | None = None) -> None:
+        """Turn an operation's result into its future's outcome (through the route's `respond`) and record it."""
+        request_id = request.request_id
+        if request_id is None:  # the scheduler's own operation: nobody waits for it
+            try:
+                if error is None:
+                    request.respond(result)
+            except Exception:
+                logger.exception("event=cleanup_failed model_id=%s", request.model_id)
+            return
+        if error is None:
+            try:
+                payload, content_type = request.respond(result)
+                outcome = _success(request_id, payload, content_type)
+            except Exception as raised:
+                error = raised
+        if error is not None:
+            outcome = self._failure(request_id, request.model_id, error)
+        if request.release is not None:
+            request.release()
+        self.metrics.observe_request(request.request_type, outcome.status, time.perf_counter() - request.started)
+        with self._finishing:
+            if request_id in self._abandoned:
+                return  # close() failed it already
+            self._record(request_id, outcome)
+            with self._lock:
+                self._running.pop(request_id, None)
+                self._lock.notify_all()
+        self._loop.call_soon_threadsafe(self._finished, request_id, request.model_id if request.sequenced else None)
+
+    def _failure(self, request_id: str, model_id: str | None, error: Exception) -> FutureRecord:
+        """The failed outcome for an error a request's work raised (an unexpected one is logged in full)."""
+        if isinstance(error, TinkerServerError):
+            failure = error
+        elif isinstance(error, OSError):
+            failure = storage_failure(error, "finish this request")
+            if not isinstance(failure, InsufficientStorage):
+                logger.error("event=request_failed request_id=%s", request_id, exc_info=error)
+        else:
+            logger.error("event=request_failed request_id=%s type=%s", request_id, type(error).__name__,
+                         exc_info=error)
+            failure = TinkerServerError(f"internal error ({type(error).__name__}); the server log has the details "
+                                        f"under request {request_id}")
+        logger.info("event=request_failed request_id=%s model_id=%s category=%s error=%r", request_id, model_id,
+                    failure.category, str(failure))
+        return _failure(request_id, failure, self._hidden_paths)
+
+    # -- sampling and outcomes -------------------------------------------------------------------
+
+    def _sample(self, request_id: str, work: Work) -> None:
+        """Sampling thread: run the work and record its result or error on the future."""
         started = time.perf_counter()
         try:
             payload, content_type = work()
             outcome = _success(request_id, payload, content_type)
-        except TinkerServerError as error:
-            outcome = _failure(request_id, error, self._hidden_paths)
-        except OSError as error:
-            failure = storage_failure(error, "finish this request")
-            if not isinstance(failure, InsufficientStorage):
-                logger.exception("event=request_failed request_id=%s", request_id)
-            outcome = _failure(request_id, failure)
         except Exception as error:
-            logger.exception("event=request_failed request_id=%s type=%s", request_id, type(error).__name__)
-            outcome = _failure(request_id, TinkerServerError(
-                f"internal error ({type(error).__name__}); the server log has the details under request {request_id}"))
-        self.metrics.observe_request(request_type, outcome.status, time.perf_counter() - started)
-        if outcome.status == "failed":
-            logger.info("event=request_failed request_id=%s model_id=%s category=%s error=%r", request_id,
-                        model_id, outcome.error_category, outcome.error)
+            outcome = self._failure(request_id, None, error)
+        self.metrics.observe_request("Sample", outcome.status, time.perf_counter() - started)
         self._record(request_id, outcome)
-        self._loop.call_soon_threadsafe(self._finished, request_id, model_id)
+        self._loop.call_soon_threadsafe(self._finished, request_id, None)
 
     def _journal_outcome(self, request_id: str, outcome: FutureRecord) -> None:
         if outcome.status == "complete":
@@ -327,6 +578,12 @@ class Scheduler:
                 return  # still full: try again on the next round
             del self._unjournaled[request_id]
         self.metrics.unjournaled.set(len(self._unjournaled))
+
+    def _fail_unrun(self, request: TrainingRequest, error: TinkerServerError) -> None:
+        """Fail a request that will never run (unloaded, or behind a gap) and let go of what it holds."""
+        self._fail_now(request.request_id, error)
+        if request.release is not None:
+            request.release()
 
     def _fail_now(self, request_id: str, error: TinkerServerError) -> None:
         """Fail a journaled future that will never run (refused, unloaded, or behind a gap)."""

@@ -230,3 +230,25 @@ class ApiKeyRow(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
     __table_args__ = (sa.Index(None, "tenant"),)
+
+
+# ---------------------------------------------------------------------------------------------
+# the dashboard's curves (queries in run_metrics.py)
+
+
+class RunMetricRow(Base):
+    """One metric of one training step of a run: the step's forward_backward calls combined, or its optim_step."""
+
+    __tablename__ = "run_metrics"
+
+    model_id: Mapped[str] = mapped_column(sa.String, primary_key=True)
+    kind: Mapped[str] = mapped_column(sa.String, primary_key=True)
+    """forward_backward or optim_step."""
+    step: Mapped[int] = mapped_column(sa.Integer, primary_key=True)
+    """optim_steps the run had taken before it (a forward_backward counts toward the next one)."""
+    name: Mapped[str] = mapped_column(sa.String, primary_key=True)
+    """"name:reduction", as the request's metrics name it."""
+    value: Mapped[float] = mapped_column(sa.Float)
+    count: Mapped[int] = mapped_column(sa.Integer)
+    """Requests combined into `value` (a mean is their running mean)."""
+    recorded_at: Mapped[datetime] = mapped_column(UTCDateTime)

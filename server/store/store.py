@@ -16,6 +16,7 @@ from sqlalchemy.orm import sessionmaker
 from server.store.db import build_engine, upgrade_to_head
 from server.store.rows import (DEFAULT_PROJECT, ApiKeyRow, Base, CheckpointRow, FutureRow, SamplingSessionRow,
                                SessionRow, TrainingRunRow)
+from server.store.run_metrics import RunMetrics
 from server.store.sampled_sequences import SampledSequences
 
 FutureStatus = Literal["pending", "complete", "failed"]
@@ -175,6 +176,8 @@ class Store:
         self._insert = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}[self.engine.dialect.name]
         self.sampled_sequences = SampledSequences(self.engine)
         """Sequences sampled with record_stability_info (stable_reinforce); a module of its own."""
+        self.run_metrics = RunMetrics(self.engine)
+        """Each run's metrics per step (the dashboard's curves); a module of its own."""
 
     def close(self) -> None:
         """Close every pooled connection."""

@@ -2,7 +2,9 @@
 
 A sampler checkpoint is `adapter_config.json` + `adapter_model.safetensors`, loadable by PEFT and
 vLLM as it is. A training checkpoint adds `optimizer.safetensors` and `checkpoint_meta.json`
-(LoRA config, step count). Knows nothing about tinker:// paths or the database.
+(LoRA config, step count). Files are written from an `AdapterState`, a copy in host memory, so
+the training thread only takes the copy and the disk is someone else's wait. Knows nothing about
+tinker:// paths or the database.
 """
 
 import json
@@ -21,6 +23,37 @@ ADAPTER_CONFIG = "adapter_config.json"
 OPTIMIZER_STATE = "optimizer.safetensors"
 META = "checkpoint_meta.json"
 _MOMENTS = ("exp_avg", "exp_avg_sq", "step")
+
+
+@dataclass
+class AdapterState:
+    """A run's adapter, and for a training checkpoint its AdamW moments, copied to host memory."""
+
+    adapter: LoraAdapter
+    lora_config: LoraConfig
+    num_steps: int
+    base_model: str
+    moments: dict[str, torch.Tensor] | None
+    """Keyed `{module}.{lora_A|lora_B}.{exp_avg|exp_avg_sq|step}`; None for a sampler checkpoint."""
+
+
+def copy_state(adapter: LoraAdapter, optimizer: torch.optim.AdamW | None, lora_config: LoraConfig, num_steps: int,
+               base_model: str) -> AdapterState:
+    """The adapter (and, given the optimizer, its moments) copied to host memory."""
+    moments = None
+    if optimizer is not None:
+        state = optimizer.state_dict()["state"]
+        moments = {}
+        for index, (name, part) in enumerate(_parameter_names(adapter)):
+            for moment, value in state.get(index, {}).items():
+                value = value.detach().to("cpu", torch.float32, copy=True)
+                moments[f"{name}.{part}.{moment}"] = value.reshape(1) if moment == "step" else value
+    return AdapterState(adapter.frozen_copy("cpu"), lora_config, num_steps, base_model, moments)
+
+
+def _parameter_names(adapter: LoraAdapter) -> list[tuple[str, str]]:
+    """(module, lora_A | lora_B) in the adapter's parameter order, the optimizer's."""
+    return [(name, part) for name in sorted(adapter.lora_A) for part in ("lora_A", "lora_B")]
 
 
 @dataclass
@@ -55,20 +88,15 @@ def save_peft_adapter(directory: Path, adapter: LoraAdapter, base_model: str,
     return _directory_size(directory)
 
 
-def save_training_checkpoint(directory: Path, adapter: LoraAdapter, optimizer: torch.optim.AdamW,
-                             lora_config: LoraConfig, num_steps: int, base_model: str) -> int:
-    """Adapter + AdamW moments keyed by module name; returns the directory's size in bytes."""
+def save_state(directory: Path, state: AdapterState) -> int:
+    """A training checkpoint (adapter + AdamW moments keyed by module name) when the state holds the
+    moments, else a sampler checkpoint; returns the directory's size in bytes."""
+    if state.moments is None:
+        return save_peft_adapter(directory, state.adapter, state.base_model)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    names = [(name, part) for name in sorted(adapter.lora_A) for part in ("lora_A", "lora_B")]
-    state = optimizer.state_dict()["state"]
-    moments = {}
-    for index, (name, part) in enumerate(names):
-        for moment, value in state.get(index, {}).items():
-            value = value.detach().float().cpu()
-            moments[f"{name}.{part}.{moment}"] = value.reshape(1) if moment == "step" else value.contiguous()
-    save_file(moments, str(directory / OPTIMIZER_STATE))
-    return save_peft_adapter(directory, adapter, base_model, lora_config, num_steps)
+    save_file(state.moments, str(directory / OPTIMIZER_STATE))
+    return save_peft_adapter(directory, state.adapter, state.base_model, state.lora_config, state.num_steps)
 
 
 def load_checkpoint(directory: Path, device: torch.device | str, with_optimizer: bool) -> LoadedCheckpoint:
@@ -99,9 +127,8 @@ def load_checkpoint(directory: Path, device: torch.device | str, with_optimizer:
 
 def optimizer_moments(adapter: LoraAdapter, moments: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
     """Saved moments as the `state` part of an AdamW state_dict, in the adapter's parameter order."""
-    names = [(name, part) for name in sorted(adapter.lora_A) for part in ("lora_A", "lora_B")]
     state = {}
-    for index, (name, part) in enumerate(names):
+    for index, (name, part) in enumerate(_parameter_names(adapter)):
         entry = {m: moments[f"{name}.{part}.{m}"] for m in _MOMENTS if f"{name}.{part}.{m}" in moments}
         if entry:
             entry["step"] = entry["step"].reshape(()).cpu()

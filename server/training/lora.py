@@ -3,9 +3,9 @@
 The base model's target linear layers are wrapped once (`apply_lora_wrappers`). What the wrappers
 add is set for the duration of a forward (and its backward) by the one thread that owns that model
 copy, through the model's `AdapterSlot`: `use_adapter` puts one adapter in place for every row,
-`use_adapter_rows` gives each row of the batch its own adapter (an `AdapterStack`: the adapters
-zero-padded to the largest rank and stacked, gathered per row, so the delta is two batched matmuls
-whatever the mix). Nothing outlives the `with` block, and nothing one model copy's owner sets is
+`use_adapter_rows` gives each row of the batch its own adapter (an `AdapterStack`: per layer, the
+ranks of all the adapters side by side, each row masked to its own adapter's columns, so the delta
+is two dense matmuls whatever the mix, and no weight is copied per row). Nothing outlives the `with` block, and nothing one model copy's owner sets is
 visible to another copy. The tensors belong to the model, not to a thread, so activation
 checkpointing may recompute a layer on autograd's own thread. Both paths are autograd-safe: the
 gradient of each adapter lands in its own tensors.
@@ -13,8 +13,8 @@ gradient of each adapter lands in its own tensors.
 Adapters are plain fp32 tensors keyed by module name, saved in the standard PEFT layout; their
 delta is computed in the activations' dtype (bf16 on GPUs), with fp32 master weights.
 
-Shapes: lora_A is [rank, in_features], lora_B is [out_features, rank]. In an AdapterStack,
-K = adapters (None entries included), R = the largest rank, B = rows of the batch.
+Shapes: lora_A is [rank, in_features], lora_B is [out_features, rank]. In an AdapterStack, J = the
+ranks of the adapters that adapt a layer, summed; B = rows of the batch, N = positions.
 """
 
 import math
@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from server.models.registry import ModelFamily
@@ -61,16 +60,21 @@ class LoraLinear(nn.Module):
         self.lora_A: torch.Tensor | None = None
         self.lora_B: torch.Tensor | None = None
         self.scale = 1.0
-        # One adapter per row (use_adapter_rows): stacked [K, R, in] (scale folded in) and [K, out, R],
-        # and each row's index into them.
-        self.stacked_A: torch.Tensor | None = None
-        self.stacked_B: torch.Tensor | None = None
+        # One adapter per row (use_adapter_rows): the adapters' ranks side by side, A [J, in] (scales folded
+        # in) and B [out, J]; which adapter each of the J columns is, and each row's adapter.
+        self.grouped_A: torch.Tensor | None = None
+        self.grouped_B: torch.Tensor | None = None
+        self.column_adapter_J: torch.Tensor | None = None
         self.row_adapter_B: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if self.stacked_A is not None:
-            return y + self._per_row_delta(x).view_as(y)
+        if self.grouped_A is not None:
+            rows = self.row_adapter_B.shape[0]
+            mid = (x.reshape(rows, -1, x.shape[-1]) @ self.grouped_A.T) * row_mask(
+                self.row_adapter_B, self.column_adapter_J, x.dtype)[:, None, :]
+            return torch.addmm(y.reshape(-1, y.shape[-1]), mid.reshape(-1, mid.shape[-1]),
+                               self.grouped_B.T).view_as(y)
         if self.lora_A is None:
             return y
         lora_A, lora_B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
@@ -79,13 +83,20 @@ class LoraLinear(nn.Module):
         scaled = (x @ lora_A.T) * self.scale
         return torch.addmm(y.reshape(-1, y.shape[-1]), scaled.reshape(-1, scaled.shape[-1]), lora_B.T).view_as(y)
 
-    def _per_row_delta(self, x: torch.Tensor) -> torch.Tensor:
-        """Row b's delta with adapter row_adapter_B[b]: x [B, ..., in] (a 2-D x is B rows of one token)."""
-        rows = self.row_adapter_B.shape[0]
-        lora_A_BRI = self.stacked_A.index_select(0, self.row_adapter_B)
-        lora_B_BOR = self.stacked_B.index_select(0, self.row_adapter_B)
-        x_BTI = x.reshape(rows, -1, x.shape[-1])
-        return torch.bmm(torch.bmm(x_BTI, lora_A_BRI.transpose(1, 2)), lora_B_BOR.transpose(1, 2))
+    def active_delta(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """What the layer adds in the current setting, for callers that apply it themselves (the fused
+        unembedding): A [J, in] with the scale folded in and B [out, J] in `dtype`, and for per-row
+        adapters which adapter each column is (None: every row uses every column). None: nothing."""
+        if self.grouped_A is not None:
+            return self.grouped_A.to(dtype), self.grouped_B.to(dtype), self.column_adapter_J
+        if self.lora_A is None:
+            return None
+        return (self.lora_A * self.scale).to(dtype), self.lora_B.to(dtype), None
+
+
+def row_mask(row_adapter: torch.Tensor, column_adapter_J: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, J]: 1 where a column belongs to the row's adapter, else 0 (rows: batch rows or positions)."""
+    return (row_adapter[:, None] == column_adapter_J[None, :]).to(dtype)
 
 
 class LoraAdapter:
@@ -116,10 +127,13 @@ class LoraAdapter:
         """Trainable tensors in a fixed order (the optimizer's order)."""
         return [t for name in sorted(self.lora_A) for t in (self.lora_A[name], self.lora_B[name])]
 
-    def frozen_copy(self) -> "LoraAdapter":
-        """A detached snapshot for sampling, unaffected by later optimizer steps."""
-        return LoraAdapter(self.rank, self.alpha, {k: v.detach().clone() for k, v in self.lora_A.items()},
-                           {k: v.detach().clone() for k, v in self.lora_B.items()})
+    def frozen_copy(self, device: torch.device | str | None = None) -> "LoraAdapter":
+        """A detached snapshot (on `device`, by default where it is), unaffected by later optimizer steps."""
+        def copy(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.detach().to(device if device is not None else tensor.device, copy=True)
+
+        return LoraAdapter(self.rank, self.alpha, {k: copy(v) for k, v in self.lora_A.items()},
+                           {k: copy(v) for k, v in self.lora_B.items()})
 
     def peft_state_dict(self) -> dict[str, torch.Tensor]:
         """Tensors under PEFT's key names, as adapter_model.safetensors holds them."""
@@ -142,37 +156,34 @@ class LoraAdapter:
 
 
 class AdapterStack:
-    """Several adapters stacked per layer of one model, for batches whose rows use different adapters.
+    """Several adapters side by side per layer, for batches whose rows use different adapters.
 
-    Entry k of every layer is adapter k zero-padded to the largest rank, with its scale folded into A;
-    a None adapter, and an adapter that does not adapt the layer, give zeros (the base model). Built
-    with differentiable ops from the adapters' own tensors, so under autograd each adapter's
-    gradient lands in its own lora_A / lora_B.
+    For each layer, the adapters that adapt it contribute their ranks as columns: A [J, in] (each
+    adapter's scale folded in) and B [out, J], and `column_adapter_J` says whose each column is. A
+    row then multiplies by all of A, keeps its own adapter's columns and multiplies by B: two dense
+    matmuls for the whole batch whatever the mix of adapters, ranks and targets, and no per-row copy
+    of any weight (lm_head's B is the vocabulary wide). A None adapter, or one that does not adapt a
+    layer, has no columns there (the base model). Built with differentiable ops from the adapters' own
+    tensors, so under autograd each adapter's gradient lands in its own lora_A / lora_B.
     """
 
     def __init__(self, slot: AdapterSlot, adapters: Sequence["LoraAdapter | None"], dtype: torch.dtype):
         self.adapters = list(adapters)
-        real = [a for a in self.adapters if a is not None]
-        rank = max((a.rank for a in real), default=0)
         self.lora_A: dict[str, torch.Tensor] = {}
         self.lora_B: dict[str, torch.Tensor] = {}
+        self.column_adapter: dict[str, torch.Tensor] = {}
         for layer in slot.layers:
-            if not any(layer.name in a.lora_A for a in real):
+            adapting = [(index, adapter) for index, adapter in enumerate(self.adapters)
+                        if adapter is not None and layer.name in adapter.lora_A]
+            if not adapting:
                 continue  # no adapter of the batch adapts this layer
-            weight = layer.base.weight
-            zeros_A = weight.new_zeros(rank, layer.base.in_features, dtype=dtype)
-            zeros_B = weight.new_zeros(layer.base.out_features, rank, dtype=dtype)
-            pieces_A, pieces_B = [], []
-            for adapter in self.adapters:
-                if adapter is None or layer.name not in adapter.lora_A:
-                    pieces_A.append(zeros_A)
-                    pieces_B.append(zeros_B)
-                    continue
-                padding = rank - adapter.rank
-                pieces_A.append(F.pad(adapter.lora_A[layer.name] * adapter.scale, (0, 0, 0, padding)).to(dtype))
-                pieces_B.append(F.pad(adapter.lora_B[layer.name], (0, padding)).to(dtype))
-            self.lora_A[layer.name] = torch.stack(pieces_A)
-            self.lora_B[layer.name] = torch.stack(pieces_B)
+            self.lora_A[layer.name] = torch.cat([(adapter.lora_A[layer.name] * adapter.scale).to(dtype)
+                                                 for _, adapter in adapting])
+            self.lora_B[layer.name] = torch.cat([adapter.lora_B[layer.name].to(dtype) for _, adapter in adapting],
+                                                dim=1)
+            self.column_adapter[layer.name] = torch.tensor(
+                [index for index, adapter in adapting for _ in range(adapter.rank)],
+                device=layer.base.weight.device)
 
 
 @contextmanager
@@ -193,9 +204,10 @@ def use_adapter(slot: AdapterSlot, adapter: LoraAdapter | None) -> Iterator[None
 def use_adapter_rows(slot: AdapterSlot, stack: AdapterStack, row_adapter_B: torch.Tensor) -> Iterator[None]:
     """Run the enclosed calls with adapter `stack.adapters[row_adapter_B[b]]` on row b of every input."""
     for layer in slot.layers:
-        layer.stacked_A = stack.lora_A.get(layer.name)
-        layer.stacked_B = stack.lora_B.get(layer.name)
-        layer.row_adapter_B = row_adapter_B if layer.stacked_A is not None else None
+        layer.grouped_A = stack.lora_A.get(layer.name)
+        layer.grouped_B = stack.lora_B.get(layer.name)
+        layer.column_adapter_J = stack.column_adapter.get(layer.name)
+        layer.row_adapter_B = row_adapter_B if layer.grouped_A is not None else None
     try:
         yield
     finally:
@@ -204,7 +216,8 @@ def use_adapter_rows(slot: AdapterSlot, stack: AdapterStack, row_adapter_B: torc
 
 def _clear(slot: AdapterSlot) -> None:
     for layer in slot.layers:
-        layer.lora_A = layer.lora_B = layer.stacked_A = layer.stacked_B = layer.row_adapter_B = None
+        layer.lora_A = layer.lora_B = layer.grouped_A = layer.grouped_B = None
+        layer.column_adapter_J = layer.row_adapter_B = None
         layer.scale = 1.0
 
 

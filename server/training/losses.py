@@ -4,10 +4,12 @@ Each loss takes the current policy's logprobs of the targets (`logprobs_N`, or `
 top-K cross-entropy), the datum's loss_fn_inputs and the loss_fn_config, and returns the per-token
 loss (`elementwise`, same shape) whose sum is the datum's contribution to `loss:sum`. A loss may
 also report per-datum metrics ("name:reduction"), combined over the request's datums.
-Knows nothing about models, batching or the wire; stable_reinforce's recorded inputs are put on
-each datum by the provenance check before the loss runs.
+`MicrobatchLoss` lays a micro-batch's datums end to end, so that the fused unembedding
+(training/forward.py) can ask for the gradient chunk by chunk. Knows nothing about models or the
+wire; stable_reinforce's recorded inputs are put on each datum by the provenance check before the
+loss runs.
 
-Shapes: N = positions of the datum, K = targets per position.
+Shapes: N = positions of a datum (of a micro-batch in MicrobatchLoss), K = targets per position.
 """
 
 from collections.abc import Callable
@@ -35,6 +37,8 @@ class LossSpec:
     """Per-datum metrics, "name:reduction" with reduction sum, max or mean (over datums)."""
     needs_provenance: bool = False
     """Datums must carry provenance spans, checked against the recorded samples (stable_reinforce)."""
+    elementwise: bool = True
+    """A position's loss depends on its own logprob alone (given the inputs), so its gradient does too."""
 
 
 def cross_entropy(logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]) -> torch.Tensor:
@@ -137,10 +141,92 @@ LOSSES: dict[str, LossSpec] = {
     "dro": LossSpec(dro, _POLICY_INPUTS, {"beta": 0.05}),
     # The clip defaults are not documented by Tinker; PPO's, under the same keys.
     "gspo": LossSpec(gspo, _POLICY_INPUTS, {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-                     optional_inputs=("sequence_ratio_mask",), metrics=gspo_metrics),
+                     optional_inputs=("sequence_ratio_mask",), metrics=gspo_metrics, elementwise=False),
     "stable_reinforce": LossSpec(stable_reinforce, _POLICY_INPUTS, {"kl_coeff": 0.05, "ratio_cap": 2.0},
                                  metrics=stable_reinforce_metrics, needs_provenance=True),
 }
+
+
+@dataclass
+class DatumLoss:
+    """One datum of a micro-batch: its positions start:stop among the micro-batch's, and its loss."""
+
+    spec: LossSpec
+    config: dict[str, float]
+    inputs: dict[str, torch.Tensor]
+    """loss_fn_inputs on the training device, target_tokens included."""
+    start: int
+    stop: int
+
+    def logprobs(self, logprobs_NK: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """This datum's view of [positions, K] logprobs starting at position `first`: [N] or [N, K] like its targets."""
+        targets = self.inputs["target_tokens"]
+        rows = slice(self.start - first, self.stop - first)
+        return logprobs_NK[rows, :targets.shape[1]] if targets.dim() == 2 else logprobs_NK[rows, 0]
+
+
+class MicrobatchLoss:
+    """The losses of a micro-batch's datums, laid end to end over its N positions; keeps every
+    position's logprob and loss for the outputs (the ChunkLoss of training/forward.py)."""
+
+    def __init__(self, datums: list[DatumLoss], logprobs_shape: tuple[int, int], device: torch.device):
+        self.datums = datums
+        self.elementwise = all(datum.spec.elementwise for datum in datums)
+        self.logprobs_NK = torch.zeros(logprobs_shape, dtype=torch.float32, device=device)
+        self.elementwise_NK = torch.zeros(logprobs_shape, dtype=torch.float32, device=device)
+        self._grad_NK: torch.Tensor | None = None
+
+    def evaluate(self, logprobs_NK: torch.Tensor) -> None:
+        """Every datum's loss from all its logprobs, with no gradient (forward only)."""
+        self.logprobs_NK.copy_(logprobs_NK)
+        for datum in self.datums:
+            datum.logprobs(self.elementwise_NK).copy_(datum.spec.fn(datum.logprobs(logprobs_NK), datum.inputs,
+                                                                    datum.config))
+
+    def prepare(self, logprobs_NK: torch.Tensor) -> None:
+        self.logprobs_NK.copy_(logprobs_NK)
+        self._grad_NK = torch.zeros_like(logprobs_NK)
+        for datum in self.datums:
+            self._differentiate(datum, datum.start, datum.stop, logprobs_NK, self._grad_NK, 0)
+
+    def gradient(self, logprobs_CK: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        if self._grad_NK is not None:
+            return self._grad_NK[start:stop]
+        self.logprobs_NK[start:stop] = logprobs_CK
+        grad_CK = torch.zeros_like(logprobs_CK)
+        for datum in self.datums:
+            if datum.start < stop and start < datum.stop:
+                self._differentiate(datum, max(start, datum.start), min(stop, datum.stop), logprobs_CK, grad_CK,
+                                    start)
+        return grad_CK
+
+    def total(self) -> torch.Tensor:
+        return self.elementwise_NK.sum()
+
+    def _differentiate(self, datum: DatumLoss, start: int, stop: int, logprobs_CK: torch.Tensor,
+                       grad_CK: torch.Tensor, first: int) -> None:
+        """The loss and its gradient at the datum's positions start:stop (of logprobs_CK, which begin at `first`)."""
+        assert datum.spec.elementwise or (start, stop) == (datum.start, datum.stop)
+        part = DatumLoss(datum.spec, datum.config, {name: t[start - datum.start:stop - datum.start]
+                                                    for name, t in datum.inputs.items()}, start, stop)
+        logprobs = part.logprobs(logprobs_CK, first).detach().requires_grad_()
+        with torch.enable_grad():
+            elementwise = datum.spec.fn(logprobs, part.inputs, datum.config)
+            (grad,) = torch.autograd.grad(elementwise.sum(), logprobs, materialize_grads=True)
+        part.logprobs(self.elementwise_NK).copy_(elementwise.detach())
+        part.logprobs(grad_CK, first).copy_(grad)
+
+    def datum_outputs(self) -> list[tuple[dict[str, torch.Tensor], dict[str, float]]]:
+        """Per datum, its logprobs and elementwise loss (host tensors) and its metrics (if the loss has any)."""
+        logprobs_NK, elementwise_NK = self.logprobs_NK.cpu(), self.elementwise_NK.cpu()
+        results = []
+        for datum in self.datums:
+            metrics = {}
+            if datum.spec.metrics is not None:
+                metrics = datum.spec.metrics(datum.logprobs(self.logprobs_NK), datum.inputs, datum.config)
+            results.append(({"logprobs": datum.logprobs(logprobs_NK),
+                             "elementwise_loss": datum.logprobs(elementwise_NK)}, metrics))
+        return results
 
 
 def combine_metrics(per_datum: list[dict[str, float]]) -> dict[str, float]:

@@ -1,15 +1,19 @@
 """The training backend: per-run LoRA adapters and AdamW state over one shared, frozen base model.
 
-Runs forward/forward_backward with Tinker's token-sum losses, accumulates gradients across calls
-until optim_step, and saves/loads checkpoints. Every training rank runs the same methods in the
-same order: rank 0 (in the server, called from the scheduler's single training thread in each
-run's seq_id order) first sends each collective call to the other ranks, then splits the datums
-among them; the other ranks follow in `follow_leader`. It knows nothing about HTTP, futures or the
-database.
+Runs forward/forward_backward passes with Tinker's token-sum losses, for one run or for several at
+once (each row with its own run's adapter, each run's gradient in its own accumulators, equal to
+running each alone), accumulates gradients across calls until optim_step, and copies and loads
+checkpoints. Every training rank runs the same methods in the same order: rank 0 (in the server,
+called from the scheduler's training thread through the executor) first sends each collective call
+to the other ranks, then splits the datums among them; the other ranks follow in `follow_leader`.
+A pass moves its inputs to the device before its first micro-batch and its outputs back after the
+last, so that nothing in between waits for the device. It knows nothing about HTTP, futures or
+the database.
 
 Shapes: B = datums in a micro-batch, T = padded length, N = real positions, K = targets per position.
 """
 
+import dataclasses
 import logging
 import math
 import random
@@ -26,15 +30,19 @@ from server.models.vision_features import VisionEncoder
 from server.rendering.training import TrainingExample
 from server.training import checkpoint_io
 from server.training.forward import TargetLogprobs
-from server.training.lora import LoraAdapter, LoraTarget, apply_lora_wrappers, select_targets, use_adapter
-from server.training.losses import LossSpec, combine_metrics, resolve_loss
+from server.training.lora import (AdapterStack, LoraAdapter, LoraTarget, apply_lora_wrappers, select_targets,
+                                  use_adapter, use_adapter_rows)
+from server.training.losses import DatumLoss, MicrobatchLoss, combine_metrics, resolve_loss
+from server.training.operations import ForwardBackward
 from server.training.parallel import TrainingGroup, apply_fsdp
 from server.wire.types import AdamParams, LoraConfig
 
 logger = logging.getLogger(__name__)
 
-MicroBatch = list[tuple[int, TrainingExample]]
-"""(index in the request, datum) pairs run together; empty on a rank that only keeps pace."""
+PassItem = tuple[int, int, TrainingExample]
+"""(index of the request in the pass, index of the datum in its request, datum)."""
+MicroBatch = list[PassItem]
+"""Datums run together; empty on a rank that only keeps pace."""
 
 
 @dataclass
@@ -52,7 +60,36 @@ class TrainableModel:
 class ForwardBackwardResult:
     outputs: list[dict[str, np.ndarray]]
     """Per datum: logprobs and elementwise_loss, shaped like target_tokens."""
-    metrics: dict[str, float]
+    datum_metrics: list[dict[str, float]]
+    """Per datum, what its loss reports (empty for most losses)."""
+    loss: float
+    """The sum of every datum's elementwise loss."""
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return {"loss:sum": self.loss, **combine_metrics(self.datum_metrics)}
+
+    def extend(self, later: "ForwardBackwardResult") -> None:
+        """Append the result of the request's next datums (a request run over several passes)."""
+        self.outputs += later.outputs
+        self.datum_metrics += later.datum_metrics
+        self.loss += later.loss
+
+
+@dataclass
+class _LoadedMicroBatch:
+    """A micro-batch's tensors on the training device, and whose each datum is."""
+
+    keys: list[tuple[int, int]]
+    """(request, datum) of each row."""
+    row_request: list[int]
+    input_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor
+    real_positions_N: torch.Tensor
+    targets_NK: torch.Tensor
+    datums: list[DatumLoss]
+    images: list
+    position_ids_3BT: torch.Tensor | None
 
 
 def _new_optimizer(adapter: LoraAdapter) -> torch.optim.AdamW:
@@ -75,6 +112,7 @@ class Trainer:
         self.group = group
         self.vision = vision
         self.device = group.device
+        self.dtype = next(base.model.parameters()).dtype
         self.targets: list[LoraTarget]
         self.targets, self.slot = apply_lora_wrappers(base.model, base.family)
         refused = base.vision.reserved_token_ids if base.vision is not None else frozenset()
@@ -133,36 +171,52 @@ class Trainer:
     def forward_backward(self, model_id: str, examples: list[TrainingExample] | None, loss_fn: str,
                          loss_fn_config: dict[str, float | str] | None,
                          forward_only: bool) -> ForwardBackwardResult | None:
-        """Run the loss on every datum; unless forward_only, add its gradient to the run's accumulators.
+        """Run the loss on every datum; unless forward_only, add its gradient to the run's accumulators."""
+        results = self.forward_backward_pass([ForwardBackward(model_id, examples, loss_fn, loss_fn_config,
+                                                              forward_only)])
+        return results[0] if results is not None else None
 
-        Rank 0 returns the result; the other ranks (given no examples) compute their share and return None.
+    def forward_backward_pass(self, requests: list[ForwardBackward]) -> list[ForwardBackwardResult] | None:
+        """Several requests (of one run or of several, all forward_only or none) in one pass: each datum
+        with its own run's adapter and loss, each run's gradient in its own accumulators.
+
+        Rank 0 returns one result per request; the other ranks (given no examples) compute their share
+        and return None.
         """
-        run = self.get(model_id)
-        spec, config = resolve_loss(loss_fn, loss_fn_config)
-        self._lead("forward_backward", model_id, None, loss_fn, loss_fn_config, forward_only)
-        plan = self._plan(examples) if self.group.is_leader else None
+        forward_only = requests[0].forward_only
+        assert all(request.forward_only == forward_only for request in requests)
+        adapters = [self.get(request.model_id).adapter for request in requests]
+        losses = [resolve_loss(request.loss_fn, request.loss_fn_config) for request in requests]
+        self._lead("forward_backward_pass", [dataclasses.replace(request, examples=None) for request in requests])
+        plan = None
+        if self.group.is_leader:
+            items = [(r, d, example) for r, request in enumerate(requests)
+                     for d, example in enumerate(request.examples)]
+            plan = [[[items[i] for i in batch] for batch in batches]
+                    for batches in self._plan([example for _, _, example in items])]
         microbatches: list[MicroBatch] = self.group.scatter(plan) if self.group.world_size > 1 else plan[0]
-        outputs: dict[int, dict[str, np.ndarray]] = {}
-        datum_metrics: dict[int, dict[str, float]] = {}
-        total_loss = 0.0
-        with use_adapter(self.slot, run.adapter), torch.set_grad_enabled(not forward_only):
-            for batch in microbatches:
-                batch_loss = self._run_microbatch(batch, spec, config, outputs, datum_metrics)
-                if not forward_only:
-                    batch_loss.backward()
-                total_loss += float(batch_loss.detach())
-        share = (outputs, datum_metrics, total_loss)
+        with torch.set_grad_enabled(not forward_only):
+            loaded = [self._load(batch, losses) for batch in microbatches]
+            done = [self._run_microbatch(batch, adapters, forward_only) for batch in loaded]
+        share = {key: output for batch, loss in zip(loaded, done)
+                 for key, output in zip(batch.keys, loss.datum_outputs()) if key[0] >= 0}
         shares = self.group.gather(share) if self.group.world_size > 1 else [share]
         if not self.group.is_leader:
             return None
-        merged = {index: output for outputs, _, _ in shares for index, output in outputs.items()}
-        merged_metrics = {index: metrics for _, per_datum, _ in shares for index, metrics in per_datum.items()}
-        metrics = combine_metrics([merged_metrics[index] for index in sorted(merged_metrics)])
-        return ForwardBackwardResult(outputs=[merged[index] for index in range(len(examples))],
-                                     metrics={"loss:sum": sum(loss for _, _, loss in shares), **metrics})
+        merged = {key: output for share in shares for key, output in share.items()}
+        results = []
+        for r, request in enumerate(requests):
+            per_datum = [merged[r, d] for d in range(len(request.examples))]
+            outputs = [{name: tensor.contiguous().numpy() for name, tensor in output.items()}
+                       for output, _ in per_datum]
+            results.append(ForwardBackwardResult(
+                outputs=outputs, datum_metrics=[metrics for _, metrics in per_datum],
+                loss=sum(float(output["elementwise_loss"].sum()) for output in outputs)))
+        return results
 
-    def _plan(self, examples: list[TrainingExample]) -> list[list[MicroBatch]]:
-        """Datums split among ranks by tokens, then into length-sorted micro-batches under the token budget.
+    def _plan(self, examples: list[TrainingExample]) -> list[list[list[int]]]:
+        """Datums (by index) split among ranks by tokens, then into length-sorted micro-batches under the
+        token budget.
 
         Sorting by length keeps padding small; every rank gets the same number of micro-batches
         (padded with empty ones), because each forward and backward is a collective under FSDP.
@@ -176,75 +230,90 @@ class Trainer:
             load[rank] += len(examples[index].input_ids)
         plans = []
         for indices in per_rank:
-            batches: list[MicroBatch] = []
+            batches: list[list[int]] = []
             for index in indices:  # longest first, so a batch's first datum sets its padded length
-                batch_length = len(batches[-1][0][1].input_ids) if batches else 0
+                batch_length = len(examples[batches[-1][0]].input_ids) if batches else 0
                 if batches and batch_length * (len(batches[-1]) + 1) <= self.config.max_tokens_per_microbatch:
-                    batches[-1].append((index, examples[index]))
+                    batches[-1].append(index)
                 else:
-                    batches.append([(index, examples[index])])
+                    batches.append([index])
             plans.append(batches)
         most = max(len(batches) for batches in plans)
         return [batches + [[]] * (most - len(batches)) for batches in plans]
 
-    def _run_microbatch(self, batch: MicroBatch, spec: LossSpec, config: dict[str, float],
-                        outputs: dict[int, dict[str, np.ndarray]],
-                        datum_metrics: dict[int, dict[str, float]]) -> torch.Tensor:
-        """The summed loss of one micro-batch; each datum's logprobs and elementwise loss go to `outputs`,
-        and its metrics (if the loss has any) to `datum_metrics`."""
+    def _load(self, batch: MicroBatch, losses) -> _LoadedMicroBatch:
+        """A micro-batch's tensors, right-padded, on the device; the rows' positions laid end to end."""
         if not batch:
-            # A rank with no datum left still joins the collectives of the others' forward and backward.
-            keep_pace = [TrainingExample(input_ids=[0],
-                                         loss_fn_inputs={"target_tokens": torch.zeros(1, dtype=torch.long)})]
-            return self._logprobs(keep_pace).sum() * 0.0
-        examples = [example for _, example in batch]
-        logprobs_NK = self._logprobs(examples)
-        batch_loss = logprobs_NK.new_zeros((), dtype=torch.float32)
-        start = 0
-        for index, example in batch:
-            inputs = {name: t.to(self.device) for name, t in example.loss_fn_inputs.items()}
-            targets = inputs["target_tokens"]
-            stop = start + targets.shape[0]
-            logprobs = logprobs_NK[start:stop, :targets.shape[1]] if targets.dim() == 2 else logprobs_NK[start:stop, 0]
-            elementwise = spec.fn(logprobs, inputs, config)
-            batch_loss = batch_loss + elementwise.sum()
-            outputs[index] = {"logprobs": logprobs.detach().float().cpu().numpy(),
-                              "elementwise_loss": elementwise.detach().float().cpu().numpy()}
-            if spec.metrics is not None:
-                datum_metrics[index] = spec.metrics(logprobs.detach(), inputs, config)
-            start = stop
-        return batch_loss
-
-    def _logprobs(self, examples: list[TrainingExample]) -> torch.Tensor:
-        """log p(target) [N, K] for the real positions of right-padded datums, datum after datum."""
+            # A rank with no datum left still joins the collectives of the others' forward and backward,
+            # with the first request's adapter and a datum whose loss is exactly zero (not an output).
+            keep_pace = TrainingExample(input_ids=[0], loss_fn_inputs={"target_tokens": torch.zeros(1, dtype=torch.long),
+                                                                       "weights": torch.zeros(1)})
+            loaded = self._load([(0, 0, keep_pace)], [resolve_loss("cross_entropy", None)])
+            loaded.keys = [(-1, -1)]
+            return loaded
+        examples = [example for _, _, example in batch]
         longest = max(len(e.input_ids) for e in examples)
         input_ids_BT = torch.zeros(len(examples), longest, dtype=torch.long)
         attention_mask_BT = torch.zeros(len(examples), longest, dtype=torch.long)
         targets = [e.loss_fn_inputs["target_tokens"] for e in examples]
         width = max(t.shape[1] if t.dim() == 2 else 1 for t in targets)
         targets_NK = torch.zeros(sum(len(e.input_ids) for e in examples), width, dtype=torch.long)
-        start = 0
-        for row, (example, target) in enumerate(zip(examples, targets)):
+        real_positions, datums, start = [], [], 0
+        for row, ((r, _, example), target) in enumerate(zip(batch, targets)):
             length = len(example.input_ids)
             input_ids_BT[row, :length] = torch.tensor(example.input_ids)
             attention_mask_BT[row, :length] = 1
+            real_positions.append(torch.arange(length) + row * longest)
             target_NK = target if target.dim() == 2 else target[:, None]
             targets_NK[start:start + length, :target_NK.shape[1]] = target_NK
+            spec, config = losses[r]
+            datums.append(DatumLoss(spec, config, {name: t.to(self.device) for name, t in example.loss_fn_inputs.items()},
+                                    start, start + length))
             start += length
-        vision_kwargs = {}
+        position_ids_3BT = None
         images = [image for example in examples for image in example.images]
         if images:
-            # Image features come from the cache (the vision tower is frozen); every row gets explicit
-            # multimodal rope positions, text-only rows the plain ones on all three axes.
-            vision_kwargs["mm_encoder_outputs"] = self.vision.encoder_outputs(images)
+            # Every row gets explicit multimodal rope positions, text-only rows the plain ones on all three axes.
             position_ids_3BT = torch.zeros(3, len(examples), longest, dtype=torch.long)
             for row, example in enumerate(examples):
                 length = len(example.input_ids)
                 position_ids_3BT[:, row, :length] = (example.position_ids if example.position_ids is not None
                                                      else torch.arange(length))
-            vision_kwargs["position_ids"] = position_ids_3BT.to(self.device)
-        return self.forward_model(input_ids_BT.to(self.device), attention_mask_BT.to(self.device),
-                                  targets_NK.to(self.device), **vision_kwargs)
+            position_ids_3BT = position_ids_3BT.to(self.device)
+        return _LoadedMicroBatch(
+            keys=[(r, d) for r, d, _ in batch], row_request=[r for r, _, _ in batch],
+            input_ids_BT=input_ids_BT.to(self.device), attention_mask_BT=attention_mask_BT.to(self.device),
+            real_positions_N=torch.cat(real_positions).to(self.device), targets_NK=targets_NK.to(self.device),
+            datums=datums, images=images, position_ids_3BT=position_ids_3BT)
+
+    def _run_microbatch(self, batch: _LoadedMicroBatch, adapters: list[LoraAdapter],
+                        forward_only: bool) -> MicrobatchLoss:
+        """Forward (and, unless forward_only, backward) of one micro-batch; returns its losses and outputs."""
+        loss = MicrobatchLoss(batch.datums, tuple(batch.targets_NK.shape), self.device)
+        vision_kwargs = {}
+        if batch.images:
+            # Image features come from the cache (the vision tower is frozen).
+            vision_kwargs = {"mm_encoder_outputs": self.vision.encoder_outputs(batch.images),
+                             "position_ids": batch.position_ids_3BT}
+        with self._row_adapters([adapters[r] for r in batch.row_request]):
+            result = self.forward_model(batch.input_ids_BT, batch.attention_mask_BT, batch.real_positions_N,
+                                        batch.targets_NK, loss=None if forward_only else loss, **vision_kwargs)
+            if forward_only:
+                loss.evaluate(result)
+            else:
+                result.backward()  # in the adapters' block: checkpointed layers recompute in backward
+        return loss
+
+    def _row_adapters(self, row_adapters: list[LoraAdapter]):
+        """Each row with its own adapter: one adapter for all when they agree, else a stack of them."""
+        distinct = list({id(adapter): adapter for adapter in row_adapters}.values())
+        if len(distinct) == 1:
+            return use_adapter(self.slot, distinct[0])
+        index = {id(adapter): position for position, adapter in enumerate(distinct)}
+        # Built under autograd, per micro-batch: each backward frees its graph.
+        stack = AdapterStack(self.slot, distinct, self.dtype)
+        return use_adapter_rows(self.slot, stack, torch.tensor([index[id(a)] for a in row_adapters],
+                                                               device=self.device))
 
     # -- optimizer -------------------------------------------------------------------------------
 
@@ -256,12 +325,9 @@ class Trainer:
         """
         run = self.get(model_id)
         self._lead("optim_step", model_id, params)
+        if self.group.world_size > 1:
+            self._sum_gradients(run.adapter.parameters())
         trained = [t for t in run.adapter.parameters() if t.grad is not None]
-        if trained and self.group.world_size > 1:
-            flat = torch.cat([t.grad.flatten() for t in trained])
-            dist.all_reduce(flat)
-            for tensor, summed in zip(trained, flat.split([t.numel() for t in trained])):
-                tensor.grad.copy_(summed.view_as(tensor))
         total_norm = torch.nn.utils.get_total_norm([t.grad for t in trained]) if trained else torch.tensor(0.0)
         grad_norm = float(total_norm)
         if not math.isfinite(grad_norm):
@@ -281,20 +347,29 @@ class Trainer:
         run.num_steps += 1
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": params.learning_rate}
 
+    def _sum_gradients(self, tensors: list[torch.Tensor]) -> None:
+        """Sum the tensors' gradients over the ranks, in one all-reduce.
+
+        A rank may hold none for a run whose datums of a multi-run pass all went to other ranks: it
+        adds zeros, and a tensor keeps no gradient only if no rank has one.
+        """
+        held = torch.tensor([t.grad is not None for t in tensors], dtype=torch.float32, device=self.device)
+        flat = torch.cat([t.grad.flatten() if t.grad is not None else t.new_zeros(t.numel()) for t in tensors]
+                         + [held])
+        dist.all_reduce(flat)
+        *summed, held = flat.split([t.numel() for t in tensors] + [len(tensors)])
+        for tensor, gradient, anyone in zip(tensors, summed, held.tolist()):
+            tensor.grad = gradient.view_as(tensor).clone() if anyone else None
+
     # -- checkpoints ---------------------------------------------------------------------------
 
-    # Saving needs rank 0 alone: adapters and optimizer states are the same on every rank.
+    # Copying needs rank 0 alone: adapters and optimizer states are the same on every rank.
 
-    def save_state(self, model_id: str, directory) -> int:
-        """Adapter + optimizer state (a training checkpoint); returns bytes written."""
+    def copy_state(self, model_id: str, with_optimizer: bool) -> checkpoint_io.AdapterState:
+        """The adapter (and the optimizer moments) in host memory, for a checkpoint written off this thread."""
         run = self.get(model_id)
-        return checkpoint_io.save_training_checkpoint(directory, run.adapter, run.optimizer, run.lora_config,
-                                                      run.num_steps, self.base.name)
-
-    def save_for_sampler(self, model_id: str, directory) -> int:
-        """The adapter alone, in the PEFT layout; returns bytes written."""
-        run = self.get(model_id)
-        return checkpoint_io.save_peft_adapter(directory, run.adapter, self.base.name)
+        return checkpoint_io.copy_state(run.adapter, run.optimizer if with_optimizer else None, run.lora_config,
+                                        run.num_steps, self.base.name)
 
     def snapshot(self, model_id: str) -> LoraAdapter:
         """A frozen copy of the current adapter, for an ephemeral sampling session."""

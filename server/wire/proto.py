@@ -27,6 +27,7 @@ from server.wire.types import (
     ImageChunk,
     ModelInput,
     ProvenanceSpan,
+    TensorData,
     densify_csr,
 )
 
@@ -343,6 +344,8 @@ class SampledSequenceOut:
     tokens: list[int]
     logprobs: list[float] | None
     stop_reason: Literal["stop", "length"]
+    topk_logprobs: TopkRows | None = None
+    """Per token, its position's k best (topk_sample_logprobs)."""
 
 
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
@@ -352,6 +355,8 @@ def encode_sample_response(
     sequences: list[SampledSequenceOut],
     prompt_logprobs: list[float | None] | None = None,
     topk_prompt_logprobs: TopkRows | None = None,
+    target_prompt_logprobs: tuple[np.ndarray, TensorData] | None = None,
+    prompt_alt_tokens: tuple[np.ndarray, np.ndarray] | None = None,
     *,
     prompt_cache_hit_tokens: int = 0,
 ) -> bytes:
@@ -360,6 +365,9 @@ def encode_sample_response(
     Args:
         prompt_logprobs: one entry per prompt position; None (position 0, or before
             prompt_logprobs_last_n) travels as NaN, which the SDK turns back into None.
+        target_prompt_logprobs: (logprobs, the request's ids): one float32 per id, sent in the
+            ids' layout (dense or CSR).
+        prompt_alt_tokens: (token ids, logprobs), each [len(prompt) - 1, k].
     """
     message = pb.SampleResponse(prompt_cache_hit_tokens=prompt_cache_hit_tokens)
     for sequence in sequences:
@@ -369,13 +377,35 @@ def encode_sample_response(
         )
         if sequence.logprobs is not None:
             out.logprobs = np.asarray(sequence.logprobs, dtype="<f4").tobytes()
+        if sequence.topk_logprobs is not None:
+            _write_topk(out.topk_sampled_logprobs, sequence.topk_logprobs)
     if prompt_logprobs is not None:
         message.prompt_logprobs = np.array(
             [math.nan if value is None else value for value in prompt_logprobs], dtype="<f4"
         ).tobytes()
     if topk_prompt_logprobs is not None:
         _write_topk(message.topk_prompt_logprobs, topk_prompt_logprobs)
+    if target_prompt_logprobs is not None:
+        logprobs, ids = target_prompt_logprobs
+        tensor = message.target_prompt_logprobs
+        _write_tensor(tensor, logprobs, ids.shape)
+        if ids.sparse_crow_indices is not None:
+            tensor.sparse_csr.values = tensor.dense  # the same values, moved into the request's CSR layout
+            tensor.sparse_csr.crow_indices = np.asarray(ids.sparse_crow_indices, dtype="<i8").tobytes()
+            tensor.sparse_csr.col_indices = np.asarray(ids.sparse_col_indices, dtype="<i8").tobytes()
+    if prompt_alt_tokens is not None:
+        tokens, logprobs = prompt_alt_tokens
+        _write_tensor(message.prompt_alt_tokens.tokens, tokens, tokens.shape)
+        _write_tensor(message.prompt_alt_tokens.logprobs, logprobs, logprobs.shape)
     return message.SerializeToString()
+
+
+def _write_tensor(message: pb.Tensor, values: np.ndarray, shape) -> None:
+    """A dense float32 or int64 Tensor."""
+    float32 = values.dtype.kind == "f"
+    message.dtype = pb.DTYPE_FLOAT32 if float32 else pb.DTYPE_INT64
+    message.shape.extend(shape)
+    message.dense = np.ascontiguousarray(values, dtype="<f4" if float32 else "<i8").tobytes()
 
 
 def _write_topk(message: pb.TopkLogprobs, rows: TopkRows) -> None:

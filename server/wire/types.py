@@ -40,6 +40,9 @@ MAX_INT32 = 2**31 - 1
 MAX_SEQ_ID = 2**63 - 1
 """Sampling clones number requests clone_id * 1e9 + k (clone_id up to 1e9), past 32 bits."""
 MAX_ID_LENGTH = 512
+MAX_LOGPROB_WIDTH = 1024
+"""Most (token, logprob) pairs a sampling request may ask for per position: top-k widths,
+prompt_alt_tokens_k, and target_prompt_logprobs' ids per position."""
 MIN_TTL_SECONDS, MAX_TTL_SECONDS = 3600, 10 * 366 * 24 * 3600
 
 SeqId = Annotated[int, Field(ge=1, le=MAX_SEQ_ID)]
@@ -165,31 +168,37 @@ def densify_csr(
     pad_value: float = 0,
 ) -> np.ndarray:
     """Expand a 2-D CSR tensor to dense, with `pad_value` in every unlisted cell."""
+    check_csr(len(values), crow_indices, col_indices, shape)
+    num_rows, num_cols = shape
+    if num_rows * num_cols > MAX_DENSE_ELEMENTS:
+        raise ValueError(f"sparse tensor of shape {shape} is too large to densify")
+    dense = np.full((num_rows, num_cols), pad_value, dtype=values.dtype)
+    dense[np.repeat(np.arange(num_rows), np.diff(crow_indices)), col_indices] = values
+    return dense
+
+
+def check_csr(num_values: int, crow_indices: np.ndarray, col_indices: np.ndarray, shape: list[int]) -> None:
+    """Raise ValueError unless the arrays are a valid 2-D CSR layout of `shape` (nothing is allocated)."""
     if len(shape) != 2:
         raise ValueError(f"a sparse CSR tensor needs a 2-D shape, got {shape}")
     num_rows, num_cols = shape
     if num_rows < 0 or num_cols < 0:
         raise ValueError(f"shape {shape} has a negative dimension")
-    if num_rows * num_cols > MAX_DENSE_ELEMENTS:
-        raise ValueError(f"sparse tensor of shape {shape} is too large to densify")
     if len(crow_indices) != num_rows + 1:
         raise ValueError(
             f"sparse CSR crow_indices has {len(crow_indices)} entries, expected rows+1 = {num_rows + 1}"
         )
-    if len(col_indices) != len(values):
+    if len(col_indices) != num_values:
         raise ValueError(
-            f"sparse CSR has {len(values)} values but {len(col_indices)} col_indices"
+            f"sparse CSR has {num_values} values but {len(col_indices)} col_indices"
         )
     row_counts = np.diff(crow_indices)
-    if crow_indices[0] != 0 or crow_indices[-1] != len(values) or np.any(row_counts < 0):
+    if crow_indices[0] != 0 or crow_indices[-1] != num_values or np.any(row_counts < 0):
         raise ValueError(
             "sparse CSR crow_indices must start at 0, never decrease, and end at the number of values"
         )
     if len(col_indices) and (col_indices.min() < 0 or col_indices.max() >= num_cols):
         raise ValueError(f"sparse CSR col_indices must lie in [0, {num_cols})")
-    dense = np.full((num_rows, num_cols), pad_value, dtype=values.dtype)
-    dense[np.repeat(np.arange(num_rows), row_counts), col_indices] = values
-    return dense
 
 
 class TensorData(WireRequest):
@@ -209,23 +218,21 @@ class TensorData(WireRequest):
             if min(self.shape, default=0) < 0 or math.prod(self.shape) != len(self.data):
                 raise ValueError(f"shape {self.shape} does not hold {len(self.data)} values")
         if self.sparse_crow_indices is not None:
-            self.to_numpy()  # validates the CSR layout
+            if self.shape is None:
+                raise ValueError("a sparse CSR tensor needs its dense shape")
+            check_csr(len(self.data), np.asarray(self.sparse_crow_indices, dtype=np.int64),
+                      np.asarray(self.sparse_col_indices, dtype=np.int64), self.shape)
         return self
 
-    def to_numpy(self, pad_value: float = 0) -> np.ndarray:
-        """Dense numpy array; CSR cells that are not listed take `pad_value`."""
+    def cells(self) -> tuple[np.ndarray, np.ndarray]:
+        """(row, value) of each cell the tensor lists, in the order of `data`: every cell of a dense
+        2-D tensor, only the listed ones of a CSR tensor (which never densifies)."""
         values = np.asarray(self.data, dtype=np.int64 if self.dtype == "int64" else np.float32)
         if self.sparse_crow_indices is None:
-            return values.reshape(self.shape if self.shape is not None else [len(values)])
-        if self.shape is None:
-            raise ValueError("a sparse CSR tensor needs its dense shape")
-        return densify_csr(
-            values,
-            np.asarray(self.sparse_crow_indices, dtype=np.int64),
-            np.asarray(self.sparse_col_indices, dtype=np.int64),
-            self.shape,
-            pad_value,
-        )
+            num_rows, num_cols = self.shape
+            return np.repeat(np.arange(num_rows), num_cols), values
+        return np.repeat(np.arange(self.shape[0]), np.diff(self.sparse_crow_indices)), values
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,6 +493,9 @@ class SaveWeightsForSamplerRequest(WireRequest):
     def _named_or_ephemeral(self) -> SaveWeightsForSamplerRequest:
         if self.path is None and self.sampling_session_seq_id is None:
             raise ValueError("save_weights_for_sampler needs a path or a sampling_session_seq_id")
+        if self.path is not None and self.kind == "inflight":
+            raise ValueError("kind='inflight' is for the ephemeral form (save_weights_and_get_sampling_client); "
+                             "a named save is a snapshot")
         return self
 
 
@@ -542,12 +552,13 @@ class SampleRequest(WireRequest):
     prompt: ModelInput
     sampling_params: SamplingParams
     prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = Field(default=0, ge=0, le=1024)
-    topk_sample_logprobs: int = Field(default=0, ge=0, le=1024)
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROB_WIDTH)
+    topk_sample_logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROB_WIDTH)
     prompt_logprobs_last_n: int | None = Field(default=None, ge=1, le=MAX_INT32)
-    prompt_alt_tokens_k: int = Field(default=0, ge=0, le=1024)
+    prompt_alt_tokens_k: int = Field(default=0, ge=0, le=MAX_LOGPROB_WIDTH)
     target_prompt_logprobs: TensorData | None = None
-    """int64 token ids, [len(prompt) - 1, K]; -1 (or an unlisted CSR cell) asks for nothing."""
+    """int64 token ids, [len(prompt) - 1, K]: cell [i, j] is scored at prompt position i + 1; -1 (or an
+    unlisted CSR cell) asks for nothing."""
     record_stability_info: bool = False
     """Keep what was sampled, per returned sequence, for stable_reinforce to check and use."""
 
@@ -567,6 +578,9 @@ class SampleRequest(WireRequest):
             targets.dtype != "int64" or targets.shape is None or len(targets.shape) != 2
         ):
             raise ValueError("target_prompt_logprobs must be an int64 tensor of shape [len(prompt) - 1, K]")
+        if targets is not None and targets.shape[1] > MAX_LOGPROB_WIDTH:
+            raise ValueError(f"target_prompt_logprobs asks for {targets.shape[1]} ids per position; at most "
+                             f"{MAX_LOGPROB_WIDTH} are accepted")
         return self
 
 

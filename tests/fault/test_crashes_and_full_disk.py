@@ -16,7 +16,7 @@ import pytest
 import tinker
 from tinker import types
 
-from support.live_server import BASE_MODEL, REPO_ROOT, LiveServer, start_server
+from support.live_server import BASE_MODEL, REPO_ROOT, LiveServer, free_port, start_server
 from support.raw_run import RawRun
 from support.sdk import SENTENCES, supervised_datum
 
@@ -97,7 +97,8 @@ def _listed_directories(server: LiveServer) -> set[str]:
 
 
 def test_a_second_server_on_the_same_data_directory_refuses_to_start_and_the_first_goes_on(fault_server):
-    second = subprocess.run([sys.executable, "-m", "server", "--base-model", BASE_MODEL, "--port", "1",
+    # A port of its own: the port is taken before the data directory is looked at.
+    second = subprocess.run([sys.executable, "-m", "server", "--base-model", BASE_MODEL, "--port", str(free_port()),
                              "--data-dir", str(fault_server.data_dir)], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=300, env=dict(os.environ, TINKER_TELEMETRY="0"))
     assert second.returncode != 0

@@ -57,3 +57,13 @@ def lifecycle_server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     live = start_server(tmp_path_factory.mktemp("lifecycle"), None, models_dir, "--checkpoint-sweep-interval", "1")
     yield live
     live.stop()
+
+
+@pytest.fixture(scope="session")
+def first_start_server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The README's server, started as a new user starts it: an empty data directory, so its banner shows
+    the first API key. The README's tutorial and the dashboard's browser test run against it."""
+    live = start_server(tmp_path_factory.mktemp("first-start"), None, models_dir, "--seq-gap-timeout", "600",
+                        base_model="builtin:tiny-qwen2-vl")
+    yield live
+    live.stop()

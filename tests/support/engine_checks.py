@@ -5,12 +5,19 @@
   token's logprob equals its own run's trainer `forward` (fp32, max |diff| under 1e-3), and differs
   from what the other run's weights give.
 - The image limit: a prompt with one image too many is a 400 that names the limit.
+- The logprob options (topk_sample_logprobs, target_prompt_logprobs dense and sparse, prompt_alt_tokens_k)
+  report the trainer's distribution over the whole vocabulary, media placeholders masked.
+- Inflight sampling clients sample with their run's newest inflight save; snapshots keep theirs.
 """
+
+import asyncio
 
 import numpy as np
 import pytest
 import tinker
 from tinker import types
+from tinker_cookbook.recipes.decisions.decision import DecisionRendering, sample_decision
+from transformers import AutoConfig
 
 from support.sdk import forward_logprobs
 from support.vision_sdk import ImagePrompts, noise
@@ -87,3 +94,120 @@ def check_image_limit(service, base_model: str, limit: int) -> None:
     with pytest.raises(tinker.BadRequestError, match=f"{limit + 1} images; at most {limit} images per prompt"):
         sampler.sample(too_many, num_samples=1, sampling_params=params).result()
     assert sampler.sample(fits, num_samples=1, sampling_params=params).result().sequences
+
+
+def vocabulary_of(training_client: tinker.TrainingClient, prompts: ImagePrompts) -> tuple[int, list[int]]:
+    """The model's vocabulary size (its output rows, padding ids included) and the media placeholder ids."""
+    directory = training_client.get_info().model_data.tokenizer_id
+    vocab_size = AutoConfig.from_pretrained(directory).get_text_config().vocab_size
+    return vocab_size, [prompts.ids(token)[0] for token in ("<|image_pad|>", "<|video_pad|>")]
+
+
+def trainer_distribution(training_client: tinker.TrainingClient, chunks: list, vocab_size: int,
+                         refused: list[int]) -> np.ndarray:
+    """The trainer's logprobs of every token id after each prefix of `chunks` (row t: the distribution of
+    token t + 1), the media placeholders at -inf (the trainer reports 0 for a placeholder target: given,
+    never predicted)."""
+    length = types.ModelInput(chunks=chunks).length
+    every_id = np.tile(np.arange(vocab_size, dtype=np.int64), (length, 1))
+    datum = types.Datum(model_input=types.ModelInput(chunks=chunks),
+                        loss_fn_inputs={"target_tokens": every_id,
+                                        "weights": np.zeros((length, vocab_size), dtype=np.float32)})
+    output = training_client.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    distribution = output.to_numpy().reshape(length, vocab_size).astype(np.float64)
+    distribution[:, refused] = -np.inf
+    return distribution
+
+
+def assert_close(computed, expected, where: str, atol: float = 1e-3) -> None:
+    difference = np.abs(np.asarray(computed, dtype=np.float64) - np.asarray(expected, dtype=np.float64))
+    assert difference.max() < atol, f"{where}: max |sampler - trainer| {difference.max():.2e}"
+
+
+def check_logprob_options_come_from_the_trainers_distribution(service, base_model: str) -> None:
+    tc = service.create_lora_training_client(base_model=base_model, rank=8, seed=4).result()
+    prompts = ImagePrompts(tc)
+    chunks = prompts.user_turn([noise(64, 64, seed=8)], "What is in the picture?")
+    for _ in range(2):  # far from the base, so that a sampler that ignored the adapter would show
+        tc.forward_backward([prompts.datum(chunks, "Noise.")], "cross_entropy").result()
+        tc.optim_step(FAR).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    vocab_size, refused = vocabulary_of(tc, prompts)
+    prompt = types.ModelInput(chunks=chunks)
+    length = prompt.length
+    distribution = trainer_distribution(tc, chunks, vocab_size, refused)[:length - 1]
+
+    # The k best at each sampled position: the trainer's k best values (ties may swap ids), and each
+    # reported id's own trainer logprob.
+    sample = sampler.sample(prompt, num_samples=2, topk_sample_logprobs=4,
+                            sampling_params=types.SamplingParams(max_tokens=5, seed=3, stop=[])).result()
+    for sequence in sample.sequences:
+        seen = trainer_distribution(tc, chunks + [types.EncodedTextChunk(tokens=sequence.tokens[:-1])],
+                                    vocab_size, refused)[length - 1:]
+        assert len(sequence.topk_logprobs) == len(sequence.tokens) == len(seen)
+        for row, best in zip(seen, sequence.topk_logprobs):
+            ids, values = np.array([t for t, _ in best]), np.array([v for _, v in best])
+            assert_close(values, np.sort(row)[::-1][:4], "top-k sampled logprobs")
+            assert_close(values, row[ids], "top-k sampled ids")
+
+    # Dense target ids at every prompt position, -1 and placeholders among them; greedy draws.
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, vocab_size, (length - 1, 3))
+    ids[rng.random(ids.shape) < 0.3] = -1
+    ids[::4, 2] = refused[0]
+    scored = sampler.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=1, temperature=0),
+                            target_prompt_logprobs=types.TensorData.from_numpy(ids), prompt_alt_tokens_k=2).result()
+    rows = np.arange(length - 1)[:, None]
+    expected = np.where((ids < 0) | np.isin(ids, refused), 0.0, distribution[rows, np.maximum(ids, 0)])
+    assert scored.target_prompt_logprobs.shape == [length - 1, 3]
+    assert_close(scored.target_prompt_logprobs.to_numpy(), expected, "dense target_prompt_logprobs")
+    greedy = scored.prompt_alt_tokens.tokens.to_numpy()
+    assert greedy.shape == (length - 1, 2) and (greedy[:, :1] == greedy).all()
+    assert_close(distribution[rows, greedy], distribution.max(axis=1, keepdims=True).repeat(2, 1), "greedy draws")
+    assert_close(scored.prompt_alt_tokens.logprobs.to_numpy(), distribution[rows, greedy], "greedy draw logprobs")
+
+    # Draws at temperature 1: never a placeholder, the trainer's logprobs, the same again for the same seed.
+    params = types.SamplingParams(max_tokens=1, temperature=1.0, seed=7)
+    drawn = [sampler.sample(prompt, num_samples=1, sampling_params=params, prompt_alt_tokens_k=8).result()
+             .prompt_alt_tokens for _ in range(2)]
+    tokens = drawn[0].tokens.to_numpy()
+    assert (tokens == drawn[1].tokens.to_numpy()).all() and not np.isin(tokens, refused).any()
+    assert_close(drawn[0].logprobs.to_numpy(), distribution[rows, tokens], "drawn alternatives")
+
+    # Sparse target ids, one row, as the cookbook's decisions recipe sends them: its probabilities
+    # are the softmax of the trainer's logprobs of the labels.
+    text = prompts.ids("<|im_start|>user\nRed, green or blue?<|im_end|>\n<|im_start|>assistant\nchoice#")
+    labels = {"red": prompts.ids("A")[0], "green": prompts.ids("B")[0], "blue": prompts.ids("C")[0]}
+    rendering = DecisionRendering(tokens=text + [0], choice_pos=len(text), label_tokens=labels)
+    probabilities = asyncio.run(sample_decision(sampler, rendering))
+    scores = trainer_distribution(tc, [types.EncodedTextChunk(tokens=text)], vocab_size, refused)[-1, list(labels.values())]
+    assert_close(list(probabilities.values()), np.exp(scores) / np.exp(scores).sum(), "decision probabilities")
+
+
+def check_inflight_clients_follow_the_newest_inflight_save(service, base_model: str) -> None:
+    tc = service.create_lora_training_client(base_model=base_model, rank=8, seed=9).result()
+    prompts = ImagePrompts(tc)
+    chunks = prompts.user_turn([noise(64, 64, seed=11)], "What is in the picture?")
+    greedy = types.SamplingParams(max_tokens=4, temperature=0.0, stop=[])
+
+    def sampled_and_trainer(sampler) -> tuple[np.ndarray, np.ndarray]:
+        """A greedy continuation's logprobs from `sampler`, and the trainer's of the same tokens now."""
+        sequence = sampler.sample(types.ModelInput(chunks=chunks), num_samples=1,
+                                  sampling_params=greedy).result().sequences[0]
+        trainer = forward_logprobs(tc, [continuation(chunks, sequence.tokens)])[0][-len(sequence.tokens):]
+        return np.asarray(sequence.logprobs), trainer
+
+    first = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    snapshot = tc.save_weights_and_get_sampling_client().result()
+    at_first_save, trainer = sampled_and_trainer(first)
+    assert_close(at_first_save, trainer, "inflight client at its save")
+    tc.forward_backward([prompts.datum(chunks, "Noise.")], "cross_entropy").result()
+    tc.optim_step(FAR).result()
+    # Training alone moves no sampler: inflight clients follow inflight saves.
+    sampled, trainer = sampled_and_trainer(first)
+    assert_close(sampled, at_first_save, "inflight client before the next inflight save", atol=1e-6)
+    assert np.abs(sampled - trainer).max() > 0.1, "the step should have changed the trainer's logprobs"
+    second = tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    for client, name in ((first, "first inflight client"), (second, "second inflight client")):
+        assert_close(*sampled_and_trainer(client), f"{name} after the second inflight save")
+    assert_close(sampled_and_trainer(snapshot)[0], at_first_save, "snapshot client", atol=1e-6)

@@ -11,11 +11,11 @@ from support.live_server import BASE_MODEL
 class RawRun:
     """One run: create it, send forward_backward bodies (valid or mangled), poll results."""
 
-    def __init__(self, http: httpx.Client):
+    def __init__(self, http: httpx.Client, base_model: str = BASE_MODEL):
         self.http = http
         self.session_id = session = http.post("/api/v1/create_session", json={}).json()["session_id"]
         created = http.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
-                                                           "base_model": BASE_MODEL, "lora_config": {"rank": 4}})
+                                                           "base_model": base_model, "lora_config": {"rank": 4}})
         self.model_id = self.result(created.json()["request_id"])["model_id"]
         self.seq_id = 0
 

@@ -36,6 +36,8 @@ CLI_OPTIONS = {
     "--gpus",
     "--activation-checkpointing",
     "--microbatch-tokens",
+    "--max-tokens-per-pass",
+    "--max-runs-per-pass",
     "--compile",
     "--sampler",
     "--max-images-per-prompt",
@@ -82,6 +84,16 @@ def test_limits_and_lifecycle_flags_reach_the_config():
     assert (limits.max_lora_rank, limits.max_sampled_tokens_per_request, limits.max_runs_per_tenant) == (16, 99, 3)
     assert (limits.max_stored_bytes_per_tenant, limits.seq_gap_timeout_seconds) == (1 << 29, 7)
     assert (config.auth, config.shutdown_timeout_seconds) == ("keys", 9)
+
+
+def test_the_training_pass_budget_and_run_limit_reach_the_trainer_config():
+    assert parse_config(["--base-model", "m", "--max-tokens-per-pass", "4096"]).trainer.max_tokens_per_pass == 4096
+    with pytest.raises(ValueError, match="max_tokens_per_pass"):
+        parse_config(["--base-model", "m", "--max-tokens-per-pass", "0"])
+    assert parse_config(["--base-model", "m"]).trainer.max_runs_per_pass is None
+    assert parse_config(["--base-model", "m", "--max-runs-per-pass", "1"]).trainer.max_runs_per_pass == 1
+    with pytest.raises(ValueError, match="max_runs_per_pass"):
+        parse_config(["--base-model", "m", "--max-runs-per-pass", "0"])
 
 
 def test_auth_none_is_refused_on_a_host_others_can_reach():
@@ -177,3 +189,26 @@ def test_the_vllm_venv_is_found_wherever_the_server_starts(tmp_path, monkeypatch
     with pytest.raises(SystemExit, match="install_vllm.sh") as error:
         parse_config(["--base-model", "builtin:tiny-qwen2-vl", "--sampler", "vllm", "--vllm-python", str(missing)])
     assert str(missing) in str(error.value) and str(REPO_ROOT / "scripts" / "install_vllm.sh") in str(error.value)
+
+
+def _option_help_lines(parser) -> dict[str, str]:
+    """Each option's help as `--help` prints it (one line, whitespace collapsed)."""
+    formatter = parser._get_formatter()
+    return {action.option_strings[0]: " ".join(formatter._expand_help(action).split())
+            for action in parser._actions if action.option_strings and action.dest != "help"}
+
+
+def test_every_flag_has_a_help_text_that_names_its_default():
+    keys_parsers = next(a for a in build_keys_arg_parser()._actions if a.dest == "action").choices.values()
+    for parser in (build_arg_parser(), *keys_parsers):
+        for option, text in _option_help_lines(parser).items():
+            assert len(text) > 20 and ("default" in text or "required" in text), (option, text)
+
+
+def test_help_shows_the_values_of_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: ./data,", "(default: embedded)",
+                  "(default: keys)", "(default: off)", "(default: 16384)"):
+        assert shown in text

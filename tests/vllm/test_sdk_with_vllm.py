@@ -14,7 +14,9 @@ import tinker
 from conftest import VLLM_PYTHON
 from tinker import types
 
-from support.engine_checks import check_concurrent_runs_sample_with_their_own_adapters, check_image_limit
+from support.engine_checks import (check_concurrent_runs_sample_with_their_own_adapters, check_image_limit,
+                                   check_inflight_clients_follow_the_newest_inflight_save,
+                                   check_logprob_options_come_from_the_trainers_distribution)
 from support.live_server import start_server
 from support.sdk import check_sampling_parameters, forward_logprobs
 from support.vision_sdk import ImagePrompts, noise
@@ -101,6 +103,15 @@ def test_adapters_loaded_by_path_agree_with_the_trainer_before_and_after_trainin
 def test_runs_sampling_at_once_each_sample_with_their_own_adapter(vllm_server, train_unembed):
     check_concurrent_runs_sample_with_their_own_adapters(vllm_server.service_client(), BASE_MODEL,
                                                          train_unembed=train_unembed)
+
+
+def test_logprob_options_come_from_the_trainers_distribution(vllm_server):
+    # Sampled top-k from vLLM (with the run's adapter); target ids and draws from the embedded engine beside it.
+    check_logprob_options_come_from_the_trainers_distribution(vllm_server.service_client(), BASE_MODEL)
+
+
+def test_inflight_clients_sample_each_inflight_save_through_vllm(vllm_server):
+    check_inflight_clients_follow_the_newest_inflight_save(vllm_server.service_client(), BASE_MODEL)
 
 
 def test_a_prompt_over_the_image_limit_is_refused_with_the_limit(vllm_server):

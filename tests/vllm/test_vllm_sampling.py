@@ -4,12 +4,13 @@ import threading
 from dataclasses import replace
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from hf_reference import REFUSED_TOKEN_IDS, full_logprobs, load_model, unmasked_probs
 
 from server.errors import InvalidRequest, PayloadTooLarge
-from server.sampling.types import LogprobOptions, SampleOutput, SamplingOptions, SamplingRequest
+from server.sampling.types import LogprobOptions, PromptTargets, SampleOutput, SamplingOptions, SamplingRequest
 from server.sampling.vllm import VLLMEngine
 from server.sampling.vllm_process import VLLMEndpoint
 
@@ -175,6 +176,38 @@ def test_prompt_logprobs_go_to_the_fallback_engine_while_vllm_runs_lora(qwen2_vl
     assert len(sampled.sequences[0].tokens) == 3 and len(fallback.requests) == 2
     with pytest.raises(InvalidRequest, match="no fallback"):
         qwen2_vl.sample(prompt, SamplingOptions(max_tokens=1), prompt_logprobs=True)
+
+
+def test_sampled_top_k_is_the_k_best_of_the_masked_distribution_even_when_the_sampled_token_is_not(
+        qwen2_vl, hf_model, prompt):
+    # The widest k vLLM serves (it is asked for k + 1); the random tiny model samples far outside it.
+    k = qwen2_vl.server.config.max_logprobs - 1
+    request = SamplingRequest(prompt=qwen2_vl.prompt(prompt), options=SamplingOptions(max_tokens=8, seed=4),
+                              num_samples=2, logprobs=LogprobOptions(topk_sample_logprobs=k))
+    outside = 0
+    for sequence in qwen2_vl.sampler.sample(request).sequences:
+        logprobs_TV = completion_logprobs_TV(hf_model, prompt, sequence.tokens)
+        for logprobs_V, token, best in zip(logprobs_TV, sequence.tokens, sequence.topk_logprobs):
+            ids, values = torch.tensor([t for t, _ in best]), torch.tensor([v for _, v in best])
+            assert torch.allclose(values, logprobs_V.topk(k).values, atol=1e-4, rtol=0)
+            assert torch.allclose(logprobs_V[ids], values, atol=1e-4, rtol=0)
+            outside += token not in ids.tolist()
+    assert outside > 0
+
+
+def test_target_ids_draws_and_wider_top_k_go_to_the_fallback_engine(qwen2_vl, prompt):
+    fallback = RecordingEngine()
+    engine = VLLMEngine(qwen2_vl.server, fallback)  # not closed: the server is the session's
+    limit = qwen2_vl.server.config.max_logprobs
+    targets = PromptTargets(positions=np.array([1]), token_ids=np.array([5]))
+    for logprobs in (LogprobOptions(target_prompt_logprobs=targets), LogprobOptions(prompt_alt_tokens_k=2),
+                     LogprobOptions(topk_sample_logprobs=limit), LogprobOptions(topk_prompt_logprobs=limit + 1)):
+        request = SamplingRequest(prompt=qwen2_vl.prompt(prompt), options=SamplingOptions(max_tokens=1),
+                                  logprobs=logprobs)
+        assert engine.sample(request).sequences == [] and fallback.requests[-1] is request
+    with pytest.raises(InvalidRequest, match="no fallback"):
+        qwen2_vl.sampler.sample(SamplingRequest(prompt=qwen2_vl.prompt(prompt), options=SamplingOptions(max_tokens=1),
+                                                logprobs=LogprobOptions(prompt_alt_tokens_k=2)))
 
 
 def test_media_placeholders_are_never_sampled_and_logprobs_are_renormalised(qwen2_vl, hf_model, prompt):

@@ -1,5 +1,6 @@
 """The embedded sampling engine, one request at a time, against a tiny random Qwen3 and plain full forwards."""
 
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -8,7 +9,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from server.models.registry import family_for
 from server.rendering.chunks import RenderedInput
 from server.sampling.embedded import EmbeddedEngine, EngineModel
-from server.sampling.types import LogprobOptions, SampleOutput, SamplingOptions, SamplingRequest
+from server.sampling.types import LogprobOptions, PromptTargets, SampleOutput, SamplingOptions, SamplingRequest
 from server.training.lora import apply_lora_wrappers
 
 # Tensor shape suffixes: T = prompt plus completion positions, V = vocabulary.
@@ -172,3 +173,43 @@ def test_max_tokens_gives_length_with_exactly_max_tokens_tokens(sampler):
 def test_num_samples_returns_that_many_sequences(sampler):
     out = sampler.sample(TEXT_PROMPT, SamplingOptions(max_tokens=3, seed=4), num_samples=5)
     assert len(out.sequences) == 5
+
+
+def test_sampled_top_k_target_and_greedy_alt_token_logprobs_come_from_the_full_forward(model, sampler):
+    targets = PromptTargets(positions=np.array([1, 1, 4, 7]), token_ids=np.array([3, 299, 17, 17]))
+    out = sampler.engine.sample(SamplingRequest(
+        prompt=TEXT_PROMPT, options=SamplingOptions(max_tokens=6, temperature=0.0), num_samples=2,
+        logprobs=LogprobOptions(topk_sample_logprobs=5, target_prompt_logprobs=targets, prompt_alt_tokens_k=3)))
+    logprobs_TV = full_forward_logprobs(model, PROMPT + out.sequences[0].tokens)
+    for sequence in out.sequences:
+        for step, (token, best) in enumerate(zip(sequence.tokens, sequence.topk_logprobs)):
+            values, ids = logprobs_TV[len(PROMPT) - 1 + step].topk(5)
+            assert [t for t, _ in best] == ids.tolist() and best[0][0] == token  # greedy: the best one
+            assert [v for _, v in best] == pytest.approx(values.tolist(), abs=1e-5)
+    expected = logprobs_TV[torch.from_numpy(targets.positions) - 1, torch.from_numpy(targets.token_ids)]
+    np.testing.assert_allclose(out.target_prompt_logprobs, expected.numpy(), atol=1e-5)
+    best_PV = logprobs_TV[:len(PROMPT) - 1].max(dim=-1)
+    assert out.prompt_alt_tokens.tokens.tolist() == [[t] * 3 for t in best_PV.indices.tolist()]
+    np.testing.assert_allclose(out.prompt_alt_tokens.logprobs, best_PV.values[:, None].expand(-1, 3), atol=1e-5)
+    assert out.prompt_logprobs is None and out.topk_prompt_logprobs is None
+
+
+def test_alt_tokens_are_seeded_draws_at_the_temperature_and_leave_the_samples_unchanged(model, sampler):
+    def sample(**logprobs):
+        return sampler.engine.sample(SamplingRequest(
+            prompt=TEXT_PROMPT, options=SamplingOptions(max_tokens=5, temperature=0.1, seed=9), num_samples=2,
+            logprobs=LogprobOptions(**logprobs)))
+
+    plain, drawn, again = sample(), sample(prompt_alt_tokens_k=2000), sample(prompt_alt_tokens_k=2000)
+    assert [s.tokens for s in drawn.sequences] == [s.tokens for s in plain.sequences]
+    np.testing.assert_array_equal(drawn.prompt_alt_tokens.tokens, again.prompt_alt_tokens.tokens)
+    logprobs_PV = full_forward_logprobs(model, PROMPT)[:len(PROMPT) - 1]
+    tokens = torch.from_numpy(drawn.prompt_alt_tokens.tokens)
+    np.testing.assert_allclose(drawn.prompt_alt_tokens.logprobs, logprobs_PV.gather(-1, tokens), atol=1e-5)
+    # Each position's draws follow softmax(logits / 0.1): the frequency of each token drawn at least
+    # 100 times is its probability, within 5 standard errors.
+    probs_PV = (logprobs_PV / 0.1).softmax(dim=-1)
+    counts_PV = torch.zeros_like(probs_PV).scatter_add_(-1, tokens, torch.ones_like(tokens, dtype=torch.float))
+    frequent = counts_PV >= 100
+    error = (counts_PV / 2000 - probs_PV).abs()[frequent]
+    assert frequent.any() and (error < 5 * (probs_PV * (1 - probs_PV) / 2000).sqrt()[frequent]).all()

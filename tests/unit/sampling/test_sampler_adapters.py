@@ -1,4 +1,5 @@
-"""Sampler adapters: ephemeral snapshots are bounded per run; saved ones reload after eviction."""
+"""Sampler adapters: ephemeral snapshots are bounded per run; inflight sessions follow their run's newest
+inflight save; saved ones reload after eviction."""
 
 import pytest
 import torch
@@ -37,6 +38,27 @@ def test_dropped_snapshots_leave_the_disk_and_the_engine(tmp_path):
     assert forgotten == ["s:sample:0"] and not first.exists()
     adapters.forget_run("s:train:0")
     assert forgotten == ["s:sample:0", "s:sample:1"] and list(tmp_path.iterdir()) == []
+
+
+def test_inflight_sessions_sample_the_runs_newest_inflight_save_and_a_pinned_version_stays(tmp_path):
+    adapters = SamplerAdapters(SamplerConfig(max_ephemeral_per_model=2), "cpu", snapshot_dir=tmp_path)
+    first, second = _adapter(1), _adapter(2)
+    adapters.add_ephemeral("s:sample:0", "s:train:0", first, "base", inflight=True)
+    pinned = adapters.ephemeral("s:sample:0")  # what a request accepted now samples with
+    adapters.add_ephemeral("s:sample:1", "s:train:0", second, "base", inflight=True)
+    for session in ("s:sample:0", "s:sample:1"):
+        now = adapters.ephemeral(session)
+        assert now.adapter is second and now.name == "s:sample:1"
+    assert pinned.adapter is first and pinned.name == "s:sample:0" and pinned.directory.exists()
+    # Snapshot saves of the run push out older versions, never the run's newest inflight one.
+    for index in range(2, 5):
+        adapters.add_ephemeral(f"s:sample:{index}", "s:train:0", _adapter(index), "base")
+    assert adapters.ephemeral("s:sample:0").adapter is second and not pinned.directory.exists()
+    with pytest.raises(NotFound):
+        adapters.ephemeral("s:sample:2")
+    adapters.forget_run("s:train:0")
+    with pytest.raises(NotFound, match="while the run is loaded"):
+        adapters.ephemeral("s:sample:0")
 
 
 def test_saved_adapters_are_reloaded_after_eviction(tmp_path):

@@ -68,7 +68,8 @@ def test_gradients_land_in_each_adapters_own_tensors(model_and_adapters):
             rows = slice(row, row + 1)
             (logits_BTV(model, input_ids_BT[rows]).log_softmax(-1) * weights_BTV[rows]).sum().backward()
         for got, expected in zip(together[row], [t.grad for t in adapter.parameters()]):
-            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+            # fp32 sums over other shapes round differently: relative to the gradient's own scale (up to ~1e3).
+            torch.testing.assert_close(got, expected, atol=1e-5 * float(expected.abs().max()), rtol=1e-4)
 
 
 def test_nothing_one_forward_sets_outlives_its_block(model_and_adapters):
@@ -81,4 +82,4 @@ def test_nothing_one_forward_sets_outlives_its_block(model_and_adapters):
         with use_adapter(slot, first):
             logits_BTV(model, input_ids_BT)
         assert torch.equal(logits_BTV(model, input_ids_BT), plain)
-    assert all(layer.lora_A is None and layer.stacked_A is None and layer.row_adapter_B is None for layer in slot.layers)
+    assert all(layer.lora_A is None and layer.grouped_A is None and layer.row_adapter_B is None for layer in slot.layers)

@@ -24,8 +24,10 @@ from server.models.loading import LoadedModel, load_base_model
 from server.models.builtin import ensure_builtin_model
 from server.rendering.provenance import RECORDED_LOGPROBS, SAMPLED_MASK
 from server.rendering.training import TrainingExample
+from server.training import checkpoint_io
 from server.training.lora import AdapterSlot, LoraAdapter, apply_lora_wrappers, use_adapter
 from server.training.parallel import free_port, init_training_group
+from server.training.operations import ForwardBackward
 from server.training.trainer import Trainer
 from server.wire.types import AdamParams, LoraConfig
 
@@ -146,6 +148,11 @@ def reference_adamw(start: list[torch.Tensor], grads_per_step: list[list[torch.T
 
 def global_norm(grads: list[torch.Tensor]) -> float:
     return float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+
+
+def save(trainer: Trainer, model_id: str, directory: Path, with_optimizer: bool) -> int:
+    """A training checkpoint (with_optimizer) or a sampler checkpoint, as the server writes them."""
+    return checkpoint_io.save_state(directory, trainer.copy_state(model_id, with_optimizer))
 
 
 def train_step(trainer: Trainer, model_id: str, batch: list[TrainingExample], params: AdamParams) -> dict[str, float]:
@@ -401,6 +408,64 @@ def test_stable_reinforce_gradients_match_a_plain_torch_reference_with_the_recor
     assert_all_close(gradients(trainer, model_id), list(expected_grads), rtol=1e-4, atol=1e-5)
 
 
+# -- several runs in one pass ------------------------------------------------------------------------
+
+# Different ranks and targets (one without the MLP, one without lm_head), each with its own loss; gspo's
+# ratio is per datum (not elementwise), so its run takes the logprobs-first path inside the shared pass.
+PASS_RUNS = [(LoraConfig(rank=RANK, seed=0), "cross_entropy"),
+             (LoraConfig(rank=2 * RANK, seed=1, train_mlp=False), "ppo"),
+             (LoraConfig(rank=RANK // 2, seed=2, train_unembed=False), "gspo")]
+
+
+def pass_batches(trainer: Trainer, model_ids: list[str]) -> list[list[TrainingExample]]:
+    vocab = trainer.base.vocab_size
+    return [sft_batch(50, [9, 3, 14], vocab), policy_batch(trainer, model_ids[1], 51, [7, 12], [0.1, -0.2]),
+            policy_batch(trainer, model_ids[2], 52, [10, 4, 6], [0.05, 0.6, -0.3])]
+
+
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_a_pass_of_several_runs_gives_each_run_exactly_what_it_gets_alone(trainer, chunked_trainer, forward_only):
+    alone_ids = [create_run(trainer, config, perturb_seed=60 + i) for i, (config, _) in enumerate(PASS_RUNS)]
+    batches = pass_batches(trainer, alone_ids)
+    alone = [trainer.forward_backward(model_id, batch, loss_fn, None, forward_only)
+             for model_id, batch, (_, loss_fn) in zip(alone_ids, batches, PASS_RUNS)]
+    # Together, on the default trainer (one micro-batch holds rows of every run) and on the chunked one
+    # (micro-batches of 16 tokens, lm_head chunks of 3 positions that straddle datums of different runs).
+    for together_trainer in (trainer, chunked_trainer):
+        together_ids = [create_run(together_trainer, config, perturb_seed=60 + i)
+                        for i, (config, _) in enumerate(PASS_RUNS)]
+        together = together_trainer.forward_backward_pass([
+            ForwardBackward(model_id, batch, loss_fn, None, forward_only)
+            for model_id, batch, (_, loss_fn) in zip(together_ids, batches, PASS_RUNS)])
+        for alone_result, together_result, alone_id, together_id in zip(alone, together, alone_ids, together_ids):
+            for a, b in zip(together_result.outputs, alone_result.outputs, strict=True):
+                np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=0, atol=1e-5)
+                np.testing.assert_allclose(a["elementwise_loss"], b["elementwise_loss"], rtol=0, atol=1e-5)
+            assert together_result.metrics.keys() == alone_result.metrics.keys()
+            for key, value in alone_result.metrics.items():
+                assert together_result.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-4), key
+            if forward_only:
+                assert all(p.grad is None for p in together_trainer.models[together_id].adapter.parameters())
+            else:
+                # Rows padded to another length change fp32 summation order (in fp64 the two agree to the
+                # last bit of fp32), so the gradients are compared by norm, as a whole tensor.
+                for a, e in zip(gradients(together_trainer, together_id), gradients(trainer, alone_id), strict=True):
+                    assert (a - e).norm() <= 3e-5 * e.norm()
+
+
+def test_a_request_run_over_two_passes_gives_what_one_pass_gives(trainer):
+    batch = sft_batch(53, [5, 11, 4, 8, 6], trainer.base.vocab_size)
+    whole_id, split_id = create_run(trainer), create_run(trainer)
+    whole = trainer.forward_backward(whole_id, batch, "cross_entropy", None, forward_only=False)
+    first, second = (trainer.forward_backward_pass([ForwardBackward(split_id, part, "cross_entropy", None, False)])[0]
+                     for part in (batch[:2], batch[2:]))
+    first.extend(second)
+    for a, b in zip(first.outputs, whole.outputs, strict=True):
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=0, atol=1e-5)
+    assert first.metrics["loss:sum"] == pytest.approx(whole.metrics["loss:sum"], abs=1e-4)
+    assert_all_close(gradients(trainer, split_id), gradients(trainer, whole_id), rtol=1e-4, atol=1e-5)
+
+
 # -- optim_step -----------------------------------------------------------------------------------
 
 ADAM = AdamParams(learning_rate=0.05, beta1=0.5, beta2=0.6, eps=0.5, weight_decay=0.3)
@@ -535,7 +600,7 @@ def test_a_training_checkpoint_reproduces_the_next_update_in_another_trainer(tra
     original_id = create_run(trainer, lora_config)
     for seed in (20, 21):
         train_step(trainer, original_id, sft_batch(seed, [6, 9], vocab), ADAM)
-    trainer.save_state(original_id, tmp_path / "state")
+    save(trainer, original_id, tmp_path / "state", with_optimizer=True)
     saved = parameters(trainer, original_id)
     next_batch = sft_batch(22, [8, 5], vocab)
     train_step(trainer, original_id, next_batch, ADAM)
@@ -561,7 +626,7 @@ def test_loading_a_checkpoint_without_the_optimizer_resets_the_adam_moments(trai
     original_id = create_run(trainer)
     for seed in (30, 31):
         train_step(trainer, original_id, sft_batch(seed, [6, 9], vocab), ADAM)
-    trainer.save_state(original_id, tmp_path / "state")
+    save(trainer, original_id, tmp_path / "state", with_optimizer=True)
     saved = parameters(trainer, original_id)
     next_batch = sft_batch(32, [7], vocab)
 
@@ -584,8 +649,8 @@ def test_loading_a_checkpoint_without_the_optimizer_resets_the_adam_moments(trai
 
 def test_checkpoint_loads_that_cannot_work_are_refused(trainer, tmp_path):
     model_id = create_run(trainer)
-    trainer.save_for_sampler(model_id, tmp_path / "sampler")
-    trainer.save_state(model_id, tmp_path / "state")
+    save(trainer, model_id, tmp_path / "sampler", with_optimizer=False)
+    save(trainer, model_id, tmp_path / "state", with_optimizer=True)
 
     with pytest.raises(InvalidRequest, match="no optimizer state"):
         trainer.create_model_from_checkpoint("needs-optimizer", tmp_path / "sampler", with_optimizer=True)
@@ -602,7 +667,7 @@ def test_a_sampler_checkpoint_loads_in_peft_and_gives_the_trainer_logprobs(train
     batch = sft_batch(41, [12, 5], trainer.base.vocab_size)
     result = trainer.forward_backward(model_id, batch, "cross_entropy", None, forward_only=True)
 
-    assert trainer.save_for_sampler(model_id, tmp_path / "sampler") > 0
+    assert save(trainer, model_id, tmp_path / "sampler", with_optimizer=False) > 0
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trainer.base.path),
                                            tmp_path / "sampler").eval()
 

@@ -9,6 +9,7 @@ from tinker import types as sdk
 from tinker.proto import response_conv
 from tinker.proto import tinker_public_pb2 as sdk_pb
 from tinker.proto.request_conv import forward_backward_request_to_proto
+from tinker.lib.public_interfaces.sampling_client import _tensor_data_to_model as sent_as_json
 
 from server.errors import InvalidRequest, PayloadTooLarge
 from server.wire import tinker_public_pb2 as pb
@@ -18,7 +19,7 @@ from server.wire.proto import (
     encode_forward_backward_output,
     encode_sample_response,
 )
-from server.wire.types import EncodedTextChunk, ImageChunk
+from server.wire.types import EncodedTextChunk, ImageChunk, SampleRequest
 
 PNG_BYTES = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 3
 
@@ -381,6 +382,33 @@ def test_topk_with_every_row_empty_still_reads_as_requested():
         [SampledSequenceOut(tokens=[1], logprobs=[-1.0], stop_reason="stop")], [None], [None]
     )
     assert response_conv.deserialize_sample_response(body).topk_prompt_logprobs == [None]
+
+
+def test_sampled_top_k_target_logprobs_and_alt_tokens_decode_in_the_sdk_in_the_requests_layout():
+    sequences = [SampledSequenceOut(tokens=[9, 3], logprobs=[-0.5, -1.0], stop_reason="stop",
+                                    topk_logprobs=[[(9, -0.5), (4, -0.75)], [(2, -0.25)]])]
+    ids = torch.full((4, 3), -1)
+    ids[0, 0], ids[3, 2] = 5, 9
+    sparse = sdk.TensorData.from_torch_sparse(ids, pad_value=-1)
+    assert sparse.sparse_crow_indices is not None
+    for targets in (sdk.TensorData.from_torch(ids), sparse):
+        request = SampleRequest.model_validate({
+            "base_model": "b", "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3, 4, 5]}]},
+            "sampling_params": {}, "target_prompt_logprobs": sent_as_json(targets).model_dump(mode="json")})
+        rows, cells = request.target_prompt_logprobs.cells()
+        logprobs = np.where(cells >= 0, -0.5 * (rows + 1), 0.0).astype(np.float32)  # what the route fills in
+        alt = (np.array([[7, 7], [8, 1], [2, 2], [4, 4]]), np.linspace(-1, 0, 8, dtype=np.float32).reshape(4, 2))
+        result = response_conv.deserialize_sample_response(encode_sample_response(
+            sequences, target_prompt_logprobs=(logprobs, request.target_prompt_logprobs), prompt_alt_tokens=alt))
+
+        assert result.target_prompt_logprobs.sparse_crow_indices == targets.sparse_crow_indices
+        expected = torch.zeros(4, 3)
+        expected[0, 0], expected[3, 2] = -0.5, -2.0
+        assert result.target_prompt_logprobs.to_torch().tolist() == expected.tolist()
+        assert result.prompt_alt_tokens.tokens.to_numpy().tolist() == alt[0].tolist()
+        np.testing.assert_array_equal(result.prompt_alt_tokens.logprobs.to_numpy(), alt[1])
+        assert result.sequences[0].topk_logprobs == [[(9, -0.5), (4, -0.75)], [(2, -0.25)]]
+        assert result.prompt_logprobs is None and result.topk_prompt_logprobs is None
 
 
 def test_our_generated_module_is_the_sdk_schema():

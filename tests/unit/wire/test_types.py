@@ -197,7 +197,8 @@ def test_sdk_sample_request_details_survive():
     )))  # fmt: skip
     assert request.sampling_params.stop_conditions() == wire.StopConditions([], [13, 14], False)
     assert request.target_prompt_logprobs.sparse_crow_indices == [0, 1, 1, 1, 1, 1, 2]
-    assert request.target_prompt_logprobs.to_numpy(pad_value=-1).tolist() == dense_targets.tolist()
+    rows, ids = request.target_prompt_logprobs.cells()
+    assert rows.tolist() == [0, 5] and ids.tolist() == [5, 9]
 
 
 def test_dimuon_optimizer_params_are_kept_apart_from_adam():
@@ -279,6 +280,7 @@ def test_dmel_chunk_is_refused_with_a_clear_message():
         (wire.LoadWeightsRequest, {"session_id": "S", "path": "p"}, "both session_id and model_seq_id"),
         (wire.SaveWeightsRequest, {"model_id": "M", "path": "a/b"}, "contain no '/'"),
         (wire.SaveWeightsForSamplerRequest, {"model_id": "M"}, "path or a sampling_session_seq_id"),
+        (wire.SaveWeightsForSamplerRequest, {"model_id": "M", "path": "n", "kind": "inflight"}, "a named save is a snapshot"),
         (wire.CreateSamplingSessionRequest, {"session_id": "S", "sampling_session_seq_id": 0}, "model_path or a base_model"),
         (wire.OptimStepRequest, {"model_id": "M", "adam_params": {"learning_rate": -1}}, "learning_rate"),
         (wire.OptimStepRequest, {"model_id": "M", "optimizer_params": {"type": "sgd"}}, "sgd"),

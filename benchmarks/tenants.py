@@ -1,0 +1,165 @@
+"""Many tenants on one server: aggregate training tokens/s and each tenant's step latency, with runs
+sharing training passes (the default) against one run per pass (`--max-runs-per-pass 1`), side by side.
+
+For each number of tenants (default 1, 4 and 8), every tenant (its own SDK client and LoRA run; the
+scheduler shares passes by run, so one API key serves them all) sends RL-sized steps concurrently
+through the tinker SDK: a forward_backward of 8 x 1,024 tokens
+(importance_sampling, the RL loss) and an optim_step, then waits for both. The first step of each
+tenant is warm-up. Prints, per mode and tenant count, the aggregate tokens/s, the median and worst
+tenant's median step latency, the server's peak memory (GPU: reserved by its allocator; CPU: peak
+RSS), and the ratios batched / one-at-a-time.
+
+    python benchmarks/tenants.py --shape tiny --device cpu --dtype float32 --sequence-length 128 --steps 2
+    python benchmarks/tenants.py --shape 4b            # on an H100 (the model is written once, see train_throughput.py)
+
+Goal on the GPU (the issue's): 8 tenants reach at least 2x the one-at-a-time aggregate throughput,
+with no tenant's latency above twice its solo time.
+"""
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.train_throughput import BASE_NAME, SHAPES, write_model  # noqa: E402
+from tests.support.live_server import LiveServer, start_server  # noqa: E402
+
+MODES = {"batched": [], "one-at-a-time": ["--max-runs-per-pass", "1"]}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="4b", choices=sorted(SHAPES))
+    parser.add_argument("--tenants", default="1,4,8", help="comma-separated tenant counts")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--sequences", type=int, default=8, help="datums per forward_backward")
+    parser.add_argument("--sequence-length", type=int, default=1024)
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per tenant (after one warm-up step)")
+    parser.add_argument("--server-args", default="", help="more flags for the server, e.g. '--compile'")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/train-throughput"))
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return parser.parse_args()
+
+
+def rl_data(args, seed: int):
+    """One tenant's step: random plain-vocabulary ids, sampled logprobs and advantages (importance_sampling)."""
+    from tinker import types
+
+    rng = np.random.default_rng(seed)
+    vocab = SHAPES[args.shape]["text"]["vocab_size"]
+    low = min(1000, vocab // 2)  # the tokenizer's own (special) tokens are below 1000
+    return [types.Datum(model_input=types.ModelInput.from_ints(rng.integers(low, vocab, args.sequence_length).tolist()),
+                        loss_fn_inputs={"target_tokens": rng.integers(low, vocab, args.sequence_length).tolist(),
+                                        "logprobs": (-rng.random(args.sequence_length) * 5).tolist(),
+                                        "advantages": rng.normal(size=args.sequence_length).tolist()})
+            for _ in range(args.sequences)]
+
+
+def peak_memory_gib(server: LiveServer, device: str) -> float:
+    """The server's peak: reserved GPU memory (read now; the allocator keeps what it reached), or peak RSS."""
+    if device == "cuda":
+        text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.api_key}"}).text
+        return sum(float(value) for value in
+                   re.findall(r"^tinker_gpu_memory_reserved_bytes\{.*\} (\S+)$", text, re.MULTILINE)) / 2**30
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE).group(1)) / 2**20
+
+
+def run_tenants(args, server: LiveServer, num_tenants: int, base_model: str) -> dict:
+    """Every tenant trains at once; returns aggregate tokens/s and each tenant's median step seconds."""
+    from tinker import types
+
+    clients = [server.service_client().create_lora_training_client(base_model=base_model, rank=args.rank,
+                                                                   seed=index).result()
+               for index in range(num_tenants)]
+    data = [rl_data(args, seed) for seed in range(num_tenants)]
+    adam = types.AdamParams(learning_rate=1e-5)
+    latencies: list[list[float]] = [[] for _ in range(num_tenants)]
+    start_barrier = threading.Barrier(num_tenants + 1)
+    timed_barrier = threading.Barrier(num_tenants + 1)
+
+    def step(index: int) -> float:
+        started = time.perf_counter()
+        forward_backward = clients[index].forward_backward(data[index], "importance_sampling")
+        optim = clients[index].optim_step(adam)
+        forward_backward.result()
+        optim.result()
+        return time.perf_counter() - started
+
+    def tenant(index: int) -> None:
+        start_barrier.wait()
+        step(index)  # warm-up
+        timed_barrier.wait()
+        for _ in range(args.steps):
+            latencies[index].append(step(index))
+
+    threads = [threading.Thread(target=tenant, args=(index,)) for index in range(num_tenants)]
+    for thread in threads:
+        thread.start()
+    start_barrier.wait()
+    timed_barrier.wait()
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    tokens = num_tenants * args.steps * args.sequences * args.sequence_length
+    return dict(tokens_per_s=tokens / seconds,
+                tenant_median_step_s=[statistics.median(times) for times in latencies])
+
+
+def measure_mode(args, mode: str, model_dir: Path) -> dict[int, dict]:
+    base_model = BASE_NAME.format(shape=args.shape)
+    command = ["--model-path", str(model_dir), "--device", args.device, "--dtype", args.dtype, *MODES[mode],
+               *args.server_args.split()]
+    server = start_server(args.work_dir / f"tenants-{args.shape}-{mode}", None, None, *command,
+                          base_model=base_model, startup_seconds=900)
+    try:
+        results = {}
+        for count in [int(count) for count in args.tenants.split(",")]:
+            results[count] = run_tenants(args, server, count, base_model)
+            results[count]["peak_memory_gib"] = peak_memory_gib(server, args.device)
+            print(mode, count, results[count], flush=True)
+        return results
+    finally:
+        server.stop(timeout=120)
+
+
+def main() -> None:
+    args = parse_args()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = write_model(args.shape, args.work_dir / f"model-{args.shape}", args.device)
+    measured = {mode: measure_mode(args, mode, model_dir) for mode in args.modes.split(",")}
+    if args.json:
+        args.json.write_text(json.dumps({mode: {str(k): v for k, v in results.items()}
+                                         for mode, results in measured.items()}, indent=2))
+    print(f"\n{args.shape}, {args.device} {args.dtype}: each tenant steps {args.sequences} x {args.sequence_length} "
+          f"tokens (importance_sampling) + optim_step, LoRA rank {args.rank}, {args.steps} timed steps")
+    print(f"{'mode':14} {'tenants':>7} {'tokens/s':>10} {'median step s':>14} {'worst step s':>13} "
+          f"{'worst/solo':>10} {'peak GiB':>9}")
+    for mode, results in measured.items():
+        solo = statistics.median(results[min(results)]["tenant_median_step_s"])
+        for count, result in results.items():
+            steps = result["tenant_median_step_s"]
+            print(f"{mode:14} {count:7d} {result['tokens_per_s']:10.0f} {statistics.median(steps):14.3f} "
+                  f"{max(steps):13.3f} {max(steps) / solo:10.2f} {result['peak_memory_gib']:9.2f}")
+    if {"batched", "one-at-a-time"} <= measured.keys():
+        for count in measured["batched"]:
+            ratio = measured["batched"][count]["tokens_per_s"] / measured["one-at-a-time"][count]["tokens_per_s"]
+            print(f"{count} tenants: batched / one-at-a-time aggregate tokens/s = {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

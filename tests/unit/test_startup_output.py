@@ -1,0 +1,74 @@
+"""What the server tells its operator: the banner, the ready line and the progress of long steps."""
+
+import io
+import logging
+import time
+from pathlib import Path
+
+from server import progress
+from server.banner import ready_line, server_url, start_banner
+from server.config import parse_config
+
+
+def test_the_banner_names_address_model_engines_data_and_the_first_key(tmp_path):
+    config = parse_config(["--base-model", "builtin:tiny-qwen2-vl", "--data-dir", str(tmp_path), "--port", "9123",
+                           "--database-url", "postgresql+psycopg://tinker:secret@db/tinker"])
+    banner = start_banner(config, tmp_path / "models" / "m", "qwen2_vl", "tml-abc", "default")
+    for shown in ("http://127.0.0.1:9123", "builtin:tiny-qwen2-vl", "qwen2_vl", "LoRA on cpu", "embedded",
+                  str(tmp_path), "/dashboard", "/api/v1/healthz", "tml-abc",
+                  "export TINKER_BASE_URL=http://127.0.0.1:9123 TINKER_API_KEY=tml-abc"):
+        assert shown in banner
+    assert "secret" not in banner  # the journal's URL without its password
+    again = start_banner(config, tmp_path, "qwen2_vl", None, "default")
+    assert "tml-" not in again and "keys create" in again
+
+
+def test_a_wildcard_bind_is_announced_at_a_url_clients_can_use():
+    config = parse_config(["--base-model", "m", "--host", "0.0.0.0", "--port", "8000"])
+    assert server_url(config) == "http://127.0.0.1:8000"
+    assert ready_line(config, 4.25).startswith("Ready: serving m at http://127.0.0.1:8000 (started in 4.2 s)")
+
+
+def test_off_a_terminal_a_long_step_is_log_lines_while_it_runs(monkeypatch, caplog):
+    monkeypatch.setattr(progress, "on_terminal", lambda: False)
+    monkeypatch.setattr(progress, "LOG_EVERY_SECONDS", 0.01)
+    caplog.set_level(logging.INFO, logger="test.progress")
+    with progress.Progress("vllm_start", "Starting vLLM", logging.getLogger("test.progress"), url="http://x") as step:
+        step.note("Loading weights took 3 s")
+        deadline = time.monotonic() + 10
+        while not any("_progress" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines[0] == "event=vllm_start_started url=http://x"
+    assert any(line.startswith("event=vllm_start_progress url=http://x seconds=") and "Loading weights" in line
+               for line in lines[1:])
+
+
+def test_a_short_step_with_a_delay_leaves_no_line(monkeypatch, caplog):
+    monkeypatch.setattr(progress, "on_terminal", lambda: False)
+    caplog.set_level(logging.INFO)
+    with progress.Progress("checkpoint_save", "Saving", logging.getLogger("test.progress"), delay=2.0):
+        pass
+    assert not caplog.records
+
+
+def test_on_a_terminal_a_long_step_is_a_bar_redrawn_in_place(monkeypatch, caplog):
+    terminal = io.StringIO()
+    monkeypatch.setattr(progress, "on_terminal", lambda: True)
+    monkeypatch.setattr(progress.sys, "stderr", terminal)
+    caplog.set_level(logging.INFO)
+    with progress.Progress("model_load", "Loading m", logging.getLogger("test.progress"), total=100) as step:
+        step.advance(40)
+        step._bar.refresh()
+    assert "Loading m" in terminal.getvalue() and "\r" in terminal.getvalue() and "40" in terminal.getvalue()
+    assert not caplog.records  # drawn, not logged
+
+
+def test_a_models_loading_is_reported(monkeypatch, caplog, models_dir: Path):
+    from server.config import ModelConfig
+    from server.models.loading import load_base_model
+
+    monkeypatch.setattr(progress, "on_terminal", lambda: False)
+    caplog.set_level(logging.INFO, logger="server.models.loading")
+    load_base_model(ModelConfig(base_model="builtin:tiny-qwen3", model_path=None, model_cache_dir=models_dir))
+    assert [r.getMessage() for r in caplog.records][0].startswith("event=model_load_started base_model=builtin:tiny")
