@@ -95,6 +95,8 @@ def every_route(owned: dict, own_session: str) -> list[tuple[str, str, dict]]:
         ("POST", "/api/v1/copy_weights", dict(json={"source_path": a["state"], "destination_project_id": "p"})),
         ("PUT", f"/api/v1/sessions/{a['session']}/project", dict(json={"project_id": "p"})),
         ("POST", "/api/v1/sessions/search", dict(json={})),
+        ("GET", "/api/v1/dashboard/overview", {}),
+        ("GET", f"/api/v1/dashboard/runs/{a['model']}/curves", {}),
         ("GET", "/metrics", {}),
         ("GET", "/openapi.json", {}),
         ("GET", "/docs", {}),
@@ -104,7 +106,7 @@ def every_route(owned: dict, own_session: str) -> list[tuple[str, str, dict]]:
 # Routes that name no resource of anyone's answer a second tenant normally (listings show its own only).
 NAMES_NO_RESOURCE = {"/api/v1/client/config", "/api/v1/telemetry", "/api/v1/get_server_capabilities",
                      "/api/v1/create_session", "/api/v1/sessions", "/api/v1/training_runs", "/api/v1/checkpoints",
-                     "/api/v1/sessions/search", "/openapi.json", "/docs"}
+                     "/api/v1/sessions/search", "/api/v1/dashboard/overview", "/openapi.json", "/docs"}
 # Signed download URLs take no key: the signature is the permission (a forged one is a 403).
 SIGNED = "/api/v1/external_weights/"
 
