@@ -35,7 +35,7 @@ from transformers import DynamicCache
 from server.config import ModelConfig, SamplerConfig
 from server.errors import EngineUnavailable, InvalidRequest
 from server.models.loading import LoadedVision, load_base_model
-from server.models.logprobs import given_as_zero, mask_refused, refused_ids_tensor, renormalised_logprobs
+from server.models.logprobs import zero_refused_targets, mask_refused, refused_ids_tensor, renormalised_logprobs
 from server.models.vision_features import VisionEncoder
 from server.rendering.chunks import position_ids
 from server.sampling.adapters import SamplerAdapters
@@ -349,7 +349,7 @@ class _Batch:
             logprobs_CV = renormalised_logprobs(logits_CV, self.refused_M)
             if wanted.prompt_logprobs:
                 next_C1 = next_L[rows_C, None]
-                logprobs.extend(given_as_zero(logprobs_CV.gather(-1, next_C1), next_C1, self.refused_M)[:, 0].tolist())
+                logprobs.extend(zero_refused_targets(logprobs_CV.gather(-1, next_C1), next_C1, self.refused_M)[:, 0].tolist())
             if k > 0:
                 topk.extend(_best(logprobs_CV, k))
             if num_draws:
@@ -361,7 +361,7 @@ class _Batch:
                 in_chunk_X = (cell_rows_X >= rows_C[0]) & (cell_rows_X <= rows_C[-1])
                 ids_X = cell_ids_X[in_chunk_X]
                 found = logprobs_CV[torch.searchsorted(rows_C, cell_rows_X[in_chunk_X]), ids_X]
-                target_X[in_chunk_X] = given_as_zero(found, ids_X, self.refused_M)
+                target_X[in_chunk_X] = zero_refused_targets(found, ids_X, self.refused_M)
         output = active.output
         if wanted.prompt_logprobs:
             output.prompt_logprobs = [None, *logprobs]
