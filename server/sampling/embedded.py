@@ -17,7 +17,7 @@ are never sampled (server/models/logprobs.py). Knows nothing about HTTP, the wir
 
 Tensor shape suffixes:
   R  rows of the running batch (one per sample still decoding)   L  cache positions
-  M  requests prefilled together   P  their padded prompt length   N  samples of one request
+  M  parts of requests prefilled together   P  their padded prompt length   N  samples of one request
   V  vocabulary   C  a chunk of prompt positions   K  top-k alternatives or draws
   X  cells of target_prompt_logprobs
 """
@@ -43,8 +43,8 @@ from server.models.logprobs import zero_refused_targets, mask_refused, refused_i
 from server.models.vision_features import VisionEncoder
 from server.rendering.chunks import position_ids
 from server.sampling.adapters import SamplerAdapters
-from server.sampling.types import (PromptAltTokens, SampledSequence, SampleOutput, SamplingOptions, SamplingRequest,
-                                   TopkRows)
+from server.sampling.draws import best_alternatives, draw, sample_tokens, seeded_generator
+from server.sampling.types import PromptAltTokens, SampledSequence, SampleOutput, SamplingRequest
 from server.training.lora import AdapterSlot, AdapterStack, LoraAdapter, apply_lora_wrappers, use_adapter_rows
 
 logger = logging.getLogger(__name__)
@@ -215,13 +215,13 @@ class _Active:
         # Sample i draws with seed s + i (vLLM seeds child i of a request so), so a sample's tokens
         # are the same whether it joined the batch with its siblings or later; 64 bits, wrapping.
         seed = random.getrandbits(64) if options.seed is None else options.seed
-        self.generators = [_generator(device, (seed + sample) % (1 << 64))
+        self.generators = [seeded_generator(device, (seed + sample) % (1 << 64))
                            for sample in range(self.request.num_samples)]
         wanted = self.request.logprobs
         self.alt_tokens_generator = None
         if wanted.prompt_alt_tokens_k:
-            self.alt_tokens_generator = _generator(device, None if options.seed is None
-                                                   else options.seed ^ _ALT_TOKENS_SEED_MIX)
+            self.alt_tokens_generator = seeded_generator(device, None if options.seed is None
+                                                         else options.seed ^ _ALT_TOKENS_SEED_MIX)
         self.sequences = [SampledSequence(tokens=[], logprobs=[], stop_reason="length",
                                           topk_logprobs=[] if wanted.topk_sample_logprobs else None)
                           for _ in range(self.request.num_samples)]
@@ -242,10 +242,13 @@ class _Active:
     def rows_running(self) -> int:
         return self.rows_left - self.rows_waiting
 
-    @property
-    def row_tokens(self) -> int:
-        """Cache positions one of its rows may reach."""
-        return self.request.prompt.num_positions + self.request.options.max_tokens
+    def share_rows(self, max_batch_tokens: int) -> int:
+        """The rows it may hold while others wait: half the budget, at least one."""
+        row_tokens = self.request.prompt.num_positions + self.request.options.max_tokens
+        return max(1, max_batch_tokens // 2 // row_tokens)
+
+    def waits_below_share(self, max_batch_tokens: int) -> bool:
+        return self.rows_waiting > 0 and self.rows_running < self.share_rows(max_batch_tokens)
 
 
 @dataclass
@@ -274,18 +277,20 @@ class _Line:
     def admit(self, batch: "_Batch") -> list[_Part]:
         """The samples that join the batch now, a few of a request where not all fit."""
         order = [active for active in [*self.fresh, *self.partial] if not active.future.done()]
-        rows_waiting = sum(active.rows_waiting for active in order)
+        # A request holds at most half the budget (at least one row) while another waits below its
+        # own share: the simplest share that leaves room for a newcomer as the big one's rows stop,
+        # whatever the number of tenants. When all that wait have their share (or one is alone), rows
+        # go round in line order, so none stay idle.
+        below_share = sum(active.waits_below_share(batch.max_batch_tokens) for active in order)
         parts: list[_Part] = []
         for active in order:
+            counted = active.waits_below_share(batch.max_batch_tokens)
             limit = active.rows_waiting
-            if rows_waiting > active.rows_waiting:
-                # While others wait, a request holds at most half the budget (at least one row): the
-                # simplest share that leaves room for the others as its rows stop, whatever the number
-                # of tenants; alone, a request may fill the whole budget.
-                share = max(1, batch.max_batch_tokens // 2 // active.row_tokens) - active.rows_running
-                if share <= 0:
+            if below_share > counted:
+                room = active.share_rows(batch.max_batch_tokens) - active.rows_running
+                if room <= 0:
                     continue  # over its share: those behind it go first
-                limit = min(limit, share)
+                limit = min(limit, room)
             count = min(limit, batch.rows_that_fit(active, parts))
             if not batch.rows and not parts:
                 count = max(count, 1)  # alone, a request runs even if one row is over the budget
@@ -293,7 +298,7 @@ class _Line:
                 break  # first come, first served: nobody overtakes a request that does not fit
             parts.append(_Part(active, active.num_admitted, count))
             active.num_admitted += count
-            rows_waiting -= count
+            below_share += active.waits_below_share(batch.max_batch_tokens) - counted
         # Partly admitted requests go to the back, behind everyone who got no rows this time.
         joined = {id(part.active) for part in parts}
         self.fresh = [a for a in self.fresh if id(a) not in joined and not a.future.done()]
@@ -438,10 +443,10 @@ class _Batch:
                 chosen_C1 = zero_refused_targets(logprobs_CV.gather(-1, next_C1), next_C1, self.refused_M)
                 logprobs.extend(chosen_C1[:, 0].tolist())
             if k > 0:
-                topk.extend(_best(logprobs_CV, k))
+                topk.extend(best_alternatives(logprobs_CV, k))
             if num_draws:
-                tokens_CK = _draw(logprobs_CV, active.request.options.temperature, num_draws,
-                                  active.alt_tokens_generator)
+                tokens_CK = draw(logprobs_CV, active.request.options.temperature, num_draws,
+                                 active.alt_tokens_generator)
                 draws.append(tokens_CK)
                 draw_logprobs.append(logprobs_CV.gather(-1, tokens_CK))
             if targets is not None:
@@ -513,13 +518,13 @@ class _Batch:
             active = self.rows[rows[offsets[0]]][0]
             samples = [self.rows[rows[offset]][1] for offset in offsets]
             offsets_G = torch.tensor(offsets, device=self.device)
-            tokens_G = _sample_tokens(logits_RV[offsets_G], active.request.options,
-                                      [active.generators[sample] for sample in samples])
+            tokens_G = sample_tokens(logits_RV[offsets_G], active.request.options,
+                                     [active.generators[sample] for sample in samples])
             logprobs_G = logprobs_RV[offsets_G].gather(-1, tokens_G[:, None])[:, 0]
             self.token_R[torch.tensor([rows[o] for o in offsets], device=self.device)] = tokens_G
             alternatives = itertools.repeat(None)
             if k := active.request.logprobs.topk_sample_logprobs:
-                alternatives = _best(logprobs_RV[offsets_G], k)
+                alternatives = best_alternatives(logprobs_RV[offsets_G], k)
             for sample, token, logprob, best in zip(samples, tokens_G.tolist(), logprobs_G.tolist(), alternatives):
                 self._record(active, sample, token, logprob, best)
 
@@ -616,57 +621,3 @@ def _as_server_error(error: Exception) -> Exception:
     if isinstance(error, (InvalidRequest, EngineUnavailable)):
         return error
     return EngineUnavailable(f"the embedded sampling engine failed: {type(error).__name__}: {error}")
-
-
-def _generator(device: torch.device, seed: int | None) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
-
-
-def _best(logprobs_GV: torch.Tensor, k: int) -> TopkRows:
-    """The k most likely (token, logprob) of each row, best first (never a refused id)."""
-    values_GK, tokens_GK = logprobs_GV.topk(min(k, logprobs_GV.shape[-1]), dim=-1)
-    return [[(t, v) for t, v in zip(tokens, values) if v != float("-inf")]
-            for tokens, values in zip(tokens_GK.tolist(), values_GK.tolist())]
-
-
-def _draw(logprobs_CV: torch.Tensor, temperature: float, num_draws: int, generator: torch.Generator) -> torch.Tensor:
-    """num_draws tokens per row, with replacement, at `temperature` (0: the most likely, every time)."""
-    if temperature == 0:
-        return logprobs_CV.argmax(dim=-1, keepdim=True).expand(-1, num_draws).contiguous()
-    return torch.multinomial((logprobs_CV / temperature).softmax(dim=-1), num_draws, replacement=True,
-                             generator=generator)
-
-
-def _sample_tokens(logits_GV: torch.Tensor, options: SamplingOptions,
-                   generators: list[torch.Generator]) -> torch.Tensor:
-    """Draw one token for each of a request's rows, each row with its sample's own generator."""
-    if options.temperature == 0:
-        return logits_GV.argmax(dim=-1)
-    probs_GV = _filtered_probs(logits_GV, options)
-    # Exponential race (argmax of p / q, q ~ Exp(1)) draws from probs_GV, as vLLM does. Each row
-    # draws its noise from its own generator, so a sample's draws depend only on its seed and step,
-    # never on its siblings or on when it joined; the clamp keeps q = 0 from producing inf or nan.
-    noise_GV = torch.empty_like(probs_GV)
-    for noise_V, generator in zip(noise_GV, generators):
-        noise_V.exponential_(generator=generator)
-    return (probs_GV / noise_GV.clamp_min(torch.finfo(noise_GV.dtype).tiny)).argmax(dim=-1)
-
-
-def _filtered_probs(logits_GV: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
-    """Apply temperature, then top-k, then top-p, and return the sampling distribution."""
-    scaled_GV = logits_GV / options.temperature
-    if 0 < options.top_k < scaled_GV.shape[-1]:
-        kth_G1 = scaled_GV.topk(options.top_k, dim=-1).values[:, -1:]
-        scaled_GV = scaled_GV.masked_fill(scaled_GV < kth_G1, float("-inf"))
-    if options.top_p < 1:
-        sorted_GV, order_GV = scaled_GV.sort(dim=-1, descending=True)
-        sorted_probs_GV = sorted_GV.softmax(dim=-1)
-        # Drop a token once the better tokens already hold top_p of the mass; the best always stays.
-        drop_GV = sorted_probs_GV.cumsum(dim=-1) - sorted_probs_GV >= options.top_p
-        scaled_GV = scaled_GV.scatter(-1, order_GV, sorted_GV.masked_fill(drop_GV, float("-inf")))
-    return scaled_GV.softmax(dim=-1)

@@ -236,6 +236,37 @@ def test_a_small_request_of_another_tenant_is_not_held_by_a_huge_one_admitted_in
     assert_same_samples(results["small"], engine.sample(small))
 
 
+def test_two_huge_requests_share_the_batch_half_and_half_once_both_wait(models_dir, reference):
+    base, targets, _ = reference
+    budget = 6 * (4 + 24)  # six rows of 4 prompt + 24 sampled tokens: half is three rows
+    ranks: list[list[int]] = []
+    fair, _ = engine_for(models_dir, row_ranks=ranks, max_batch_tokens=budget)
+    prompt = prompts(base)[1]
+
+    def huge(seed: int, rank: int) -> SamplingRequest:
+        return SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=24, seed=seed), num_samples=12,
+                               adapter=AdapterRef(name=f"huge-{rank}", directory=None,
+                                                  weights=adapter(targets, seed, rank)))
+    try:
+        first = threading.Thread(target=lambda: fair.sample(huge(1, 4)))
+        first.start()
+        while len(ranks) < 3 and first.is_alive():  # the first one is decoding, alone: all six rows
+            threading.Event().wait(0.01)
+        fair.sample(huge(2, 8))
+        first.join()
+    finally:
+        fair.close()
+    first_rows = [row_ranks.count(4) for row_ranks in ranks]
+    second_rows = [row_ranks.count(8) for row_ranks in ranks]
+    assert max(first_rows) == 6  # alone, the first filled the budget
+    joined = second_rows.index(next(rows for rows in second_rows if rows))
+    last_of_first = max(step for step, rows in enumerate(first_rows) if rows)
+    assert joined < last_of_first  # the second got rows long before the first was done
+    # From then on, while both had rows to run, each held half the budget, neither more.
+    shared = list(zip(first_rows, second_rows))[joined:last_of_first + 1]
+    assert max(max(pair) for pair in shared) == 3
+
+
 def test_sample_i_of_seed_s_is_sample_0_of_seed_s_plus_i_as_on_vllm(engine, reference):
     prompt = prompts(reference[0])[0]
     together = engine.sample(SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=8, seed=20),
