@@ -5,8 +5,11 @@ arrives joins the running batch at the next decode step: it is prefilled (with t
 and its cache is merged into the batch's, left-padded, with an attention mask and explicit rope
 positions for every row; it leaves the batch when its last sample stops, so a long request never
 holds a short one. Rows of any mix of adapters share every forward (one adapter per row,
-training/lora.py), and the batch stays within a token budget. Each request samples with its own
-generator, so its samples do not depend on what else is in the batch.
+training/lora.py), and the batch stays within a token budget. A request's samples join a few at a
+time when they do not all fit, and one request holds at most half the budget while others wait, so a
+huge request never holds a small one for more than the time its running rows take to stop. Each
+sample draws with its own generator (sample i of seed s with seed s + i, as vLLM), so its tokens do
+not depend on what else is in the batch or on when it joined.
 
 Like vLLM it takes the sampling renderer's collapsed prompt (one image pad per image, plus the
 images) and expands the pads itself, with image features from its vision cache. Media placeholders
@@ -14,7 +17,7 @@ are never sampled (server/models/logprobs.py). Knows nothing about HTTP, the wir
 
 Tensor shape suffixes:
   R  rows of the running batch (one per sample still decoding)   L  cache positions
-  M  requests prefilled together   P  their padded prompt length   N  samples of one request
+  M  parts of requests prefilled together   P  their padded prompt length   N  samples of one request
   V  vocabulary   C  a chunk of prompt positions   K  top-k alternatives or draws
   X  cells of target_prompt_logprobs
 """
@@ -23,6 +26,7 @@ import contextlib
 import itertools
 import logging
 import queue
+import random
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -39,8 +43,8 @@ from server.models.logprobs import mask_refused, refused_ids_tensor, renormalise
 from server.models.vision_features import VisionEncoder
 from server.rendering.chunks import position_ids
 from server.sampling.adapters import SamplerAdapters
-from server.sampling.types import (PromptAltTokens, SampledSequence, SampleOutput, SamplingOptions, SamplingRequest,
-                                   TopkRows)
+from server.sampling.draws import best_alternatives, draw, sample_tokens, seeded_generator
+from server.sampling.types import PromptAltTokens, SampledSequence, SampleOutput, SamplingRequest
 from server.training.lora import AdapterSlot, AdapterStack, LoraAdapter, apply_lora_wrappers, use_adapter_rows
 
 logger = logging.getLogger(__name__)
@@ -106,8 +110,8 @@ class EmbeddedEngine:
             load: builds the engine's model copy; called once, on the engine thread.
             adapters: where saved checkpoints' weights come from (requests that carry only a directory).
             max_batch_tokens: cache positions the batch may hold (rows times padded length, counted
-                to where each row may end); a request waits while it does not fit, unless the
-                batch is empty.
+                to where each row may end); a request's samples wait while they do not fit (part of
+                them may join), except that a request alone in an empty batch always gets a row.
         """
         self._load = load
         self.adapters = adapters
@@ -162,34 +166,23 @@ class EmbeddedEngine:
             while (waiting := self._waiting.get()) is not None:
                 waiting.future.set_exception(failure)
             return
-        held: _Waiting | None = None  # the next request in line, if it did not fit yet
-        closing = False
-        while not closing:
-            if held is None and not batch.rows:
-                held = self._waiting.get()  # idle: wait for work
-                closing = held is None
-            admitted = []
-            while not closing:
-                if held is None:
-                    try:
-                        held = self._waiting.get_nowait()
-                    except queue.Empty:
-                        break
-                    if held is None:
-                        closing = True
-                        break
-                if not batch.admits(held.request, [w.request for w in admitted]):
+        line = _Line()
+        while True:
+            if not line and not batch.rows:
+                waiting = self._waiting.get()  # idle: wait for work
+                if waiting is None:
                     break
-                admitted.append(held)
-                held = None
-            if admitted:
-                batch.prefill(admitted)
+                line.arrive(_Active(waiting, batch.device))
+            if self._take_arrivals(line, batch.device):
+                break
+            parts = line.admit(batch)
+            if parts:
+                batch.prefill(parts)
             if batch.rows:
                 batch.decode_step()
         failure = EngineUnavailable("the server is shutting down")
         batch.fail_all(failure)
-        if held is not None:
-            held.future.set_exception(failure)
+        line.fail_all(failure)
         while True:
             try:
                 waiting = self._waiting.get_nowait()
@@ -198,29 +191,126 @@ class EmbeddedEngine:
             if waiting is not None:
                 waiting.future.set_exception(failure)
 
+    def _take_arrivals(self, line: "_Line", device: torch.device) -> bool:
+        """Move the requests that arrived into the line; whether the engine is closing."""
+        while True:
+            try:
+                waiting = self._waiting.get_nowait()
+            except queue.Empty:
+                return False
+            if waiting is None:
+                return True
+            line.arrive(_Active(waiting, device))
+
 
 class _Active:
-    """One request in the batch: its samples so far, its generator, and where its results go."""
+    """One request, from its arrival in the line to its last sample: its samples so far, one
+    generator per sample, and where its results go."""
 
     def __init__(self, waiting: _Waiting, device: torch.device):
         self.request = waiting.request
         self.adapter = waiting.adapter
         self.future = waiting.future
         options = self.request.options
-        self.generator = _generator(device, options.seed)
+        # Sample i draws with seed s + i (vLLM seeds child i of a request so), so a sample's tokens
+        # are the same whether it joined the batch with its siblings or later; 64 bits, wrapping.
+        seed = random.getrandbits(64) if options.seed is None else options.seed
+        self.generators = [seeded_generator(device, (seed + sample) % (1 << 64))
+                           for sample in range(self.request.num_samples)]
         wanted = self.request.logprobs
         self.alt_tokens_generator = None
         if wanted.prompt_alt_tokens_k:
-            self.alt_tokens_generator = _generator(device, None if options.seed is None
-                                                   else options.seed ^ _ALT_TOKENS_SEED_MIX)
+            self.alt_tokens_generator = seeded_generator(device, None if options.seed is None
+                                                         else options.seed ^ _ALT_TOKENS_SEED_MIX)
         self.sequences = [SampledSequence(tokens=[], logprobs=[], stop_reason="length",
                                           topk_logprobs=[] if wanted.topk_sample_logprobs else None)
                           for _ in range(self.request.num_samples)]
         self.rows_left = self.request.num_samples
+        """Samples not stopped yet, in the batch or still waiting."""
+        self.num_admitted = 0
+        """Samples that joined the batch: samples 0 .. num_admitted - 1."""
         self.stop_token_ids = set(options.stop_token_ids)
         self.stop_window = max((len(s.encode()) for s in options.stop_strings), default=0) + _STOP_WINDOW_MARGIN
         self.output = SampleOutput(sequences=self.sequences)
-        """The result: the prefill fills in what the request asks of its prompt, decoding the sequences."""
+        """The result: the first prefill fills in what the request asks of its prompt, decoding the sequences."""
+
+    @property
+    def rows_waiting(self) -> int:
+        return self.request.num_samples - self.num_admitted
+
+    @property
+    def rows_running(self) -> int:
+        return self.rows_left - self.rows_waiting
+
+    def share_rows(self, max_batch_tokens: int) -> int:
+        """The rows it may hold while others wait: half the budget, at least one."""
+        row_tokens = self.request.prompt.num_positions + self.request.options.max_tokens
+        return max(1, max_batch_tokens // 2 // row_tokens)
+
+    def waits_below_share(self, max_batch_tokens: int) -> bool:
+        return self.rows_waiting > 0 and self.rows_running < self.share_rows(max_batch_tokens)
+
+
+@dataclass
+class _Part:
+    """Samples first .. first + count - 1 of a request, joining the batch together."""
+
+    active: _Active
+    first: int
+    count: int
+
+
+class _Line:
+    """The requests with samples not yet in the batch, in the order they get rows: those not started
+    yet first, in arrival order, then the partly admitted ones, least recently admitted first."""
+
+    def __init__(self):
+        self.fresh: list[_Active] = []
+        self.partial: list[_Active] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.fresh or self.partial)
+
+    def arrive(self, active: _Active) -> None:
+        self.fresh.append(active)
+
+    def admit(self, batch: "_Batch") -> list[_Part]:
+        """The samples that join the batch now, a few of a request where not all fit."""
+        order = [active for active in [*self.fresh, *self.partial] if not active.future.done()]
+        # A request holds at most half the budget (at least one row) while another waits below its
+        # own share: the simplest share that leaves room for a newcomer as the big one's rows stop,
+        # whatever the number of tenants. When all that wait have their share (or one is alone), rows
+        # go round in line order, so none stay idle.
+        below_share = sum(active.waits_below_share(batch.max_batch_tokens) for active in order)
+        parts: list[_Part] = []
+        for active in order:
+            counted = active.waits_below_share(batch.max_batch_tokens)
+            limit = active.rows_waiting
+            if below_share > counted:
+                room = active.share_rows(batch.max_batch_tokens) - active.rows_running
+                if room <= 0:
+                    continue  # over its share: those behind it go first
+                limit = min(limit, room)
+            count = min(limit, batch.rows_that_fit(active, parts))
+            if not batch.rows and not parts:
+                count = max(count, 1)  # alone, a request runs even if one row is over the budget
+            if count == 0:
+                break  # first come, first served: nobody overtakes a request that does not fit
+            parts.append(_Part(active, active.num_admitted, count))
+            active.num_admitted += count
+            below_share += active.waits_below_share(batch.max_batch_tokens) - counted
+        # Partly admitted requests go to the back, behind everyone who got no rows this time.
+        joined = {id(part.active) for part in parts}
+        self.fresh = [a for a in self.fresh if id(a) not in joined and not a.future.done()]
+        self.partial = ([a for a in self.partial if id(a) not in joined and not a.future.done()]
+                        + [part.active for part in parts if part.active.rows_waiting])
+        return parts
+
+    def fail_all(self, error: Exception) -> None:
+        for active in [*self.fresh, *self.partial]:
+            if not active.future.done():
+                active.future.set_exception(error)
+        self.fresh, self.partial = [], []
 
 
 class _Batch:
@@ -246,50 +336,50 @@ class _Batch:
 
     # -- admission -----------------------------------------------------------------------------
 
-    def admits(self, request: SamplingRequest, admitted: list[SamplingRequest]) -> bool:
-        """Whether `request` joins now (with those already admitted this step) within the budgets."""
-        joining = [*admitted, request]
-        if not self.rows and not admitted:
-            return True  # alone it always runs, whatever its size
-        prompt_lengths = [r.prompt.num_positions for r in joining]
-        if len(joining) * max(prompt_lengths) > _MAX_PREFILL_TOKENS and admitted:
-            return False
+    def rows_that_fit(self, active: _Active, parts: list[_Part]) -> int:
+        """How many rows of `active` may join now, beside the parts joining this step, within the budgets."""
+        lengths = [part.active.request.prompt.num_positions for part in parts] + [active.request.prompt.num_positions]
+        if parts and len(lengths) * max(lengths) > _MAX_PREFILL_TOKENS:
+            return 0
         # After the merge every row is left-padded to the same width, then grows until it stops.
-        width = max(self.mask_RL.shape[1], *prompt_lengths)
-        remaining = [active.request.options.max_tokens - len(active.sequences[sample].tokens)
-                     for active, sample in self.rows] + [r.options.max_tokens for r in joining]
-        num_rows = len(self.rows) + sum(r.num_samples for r in joining)
-        return num_rows * (width + max(remaining)) <= self.max_batch_tokens
+        width = max(self.mask_RL.shape[1], *lengths)
+        remaining = max([a.request.options.max_tokens - len(a.sequences[sample].tokens) for a, sample in self.rows]
+                        + [part.active.request.options.max_tokens for part in parts]
+                        + [active.request.options.max_tokens])
+        num_rows = len(self.rows) + sum(part.count for part in parts)
+        return max(0, self.max_batch_tokens // (width + remaining) - num_rows)
 
-    def prefill(self, admitted: list[_Waiting]) -> None:
-        """Prefill the newcomers together, sample their first tokens and merge them into the batch."""
-        actives = [_Active(waiting, self.device) for waiting in admitted]
+    def prefill(self, parts: list[_Part]) -> None:
+        """Prefill the newcomers' prompts together, sample their first tokens and merge them into the batch."""
+        actives = [part.active for part in parts]
         try:
             self._use_adapters([a.adapter for a, _ in self.rows] + [a.adapter for a in actives])
-            cache, mask_MP, next_position_M, last_logits_MV = self._prefill_forward(actives)
+            cache, mask_MP, next_position_M, last_logits_MV = self._prefill_forward(parts)
         except Exception as error:
             # The newcomers' own failure (bad input, out of memory): the running batch is untouched.
-            # Alone, each one fails only for what is wrong with it.
+            # Alone, each one fails only for what is wrong with it (with its rows already running).
             self._use_adapters([a.adapter for a, _ in self.rows])
-            if len(admitted) > 1:
-                for waiting in admitted:
-                    self.prefill([waiting])
+            if len(parts) > 1:
+                for part in parts:
+                    self.prefill([part])
                 return
             logger.exception("prefill of a sampling request failed")
-            admitted[0].future.set_exception(_as_server_error(error))
+            actives[0].future.set_exception(_as_server_error(error))
+            self._drop_finished()
             return
-        samples_M = torch.tensor([a.request.num_samples for a in actives], device=self.device)
-        expand_R = torch.repeat_interleave(torch.arange(len(actives), device=self.device), samples_M)
+        samples_M = torch.tensor([part.count for part in parts], device=self.device)
+        expand_R = torch.repeat_interleave(torch.arange(len(parts), device=self.device), samples_M)
         cache.batch_select_indices(expand_R)
         self._merge(cache, mask_MP[expand_R], next_position_M[expand_R],
-                    [(active, index) for active in actives for index in range(active.request.num_samples)])
+                    [(part.active, part.first + index) for part in parts for index in range(part.count)])
         first = len(self.rows) - len(expand_R)
         self._sample(last_logits_MV[expand_R], range(first, len(self.rows)))
         self._drop_finished()
 
-    def _prefill_forward(self, actives: list[_Active]):
+    def _prefill_forward(self, parts: list[_Part]):
         """One forward over the newcomers' prompts, left-padded; returns their cache, mask, next
-        positions and last logits, and fills in their prompt logprobs."""
+        positions and last logits, and fills in the prompt logprobs of requests starting now."""
+        actives = [part.active for part in parts]
         prompts = [a.request.prompt for a in actives]
         sequences = [p.expanded_token_ids() for p in prompts]
         width = max(len(s) for s in sequences)
@@ -316,8 +406,9 @@ class _Batch:
                 position_ids=positions.to(self.device), past_key_values=cache, use_cache=True, **kwargs,
             ).last_hidden_state
             last_logits_MV = self.m.model.lm_head(hidden_MPD[:, -1:]).float()[:, 0]
-        for row, (active, sequence) in enumerate(zip(actives, sequences)):
-            if active.request.logprobs.scores_prompt:
+        for row, (part, sequence) in enumerate(zip(parts, sequences)):
+            active = part.active
+            if active.request.logprobs.scores_prompt and part.first == 0:
                 self._score_prompt(active, hidden_MPD[row, width - len(sequence):], sequence, adapter_M[row:row + 1])
         return cache, mask_MP.to(self.device), next_position_M.to(self.device), last_logits_MV
 
@@ -352,10 +443,10 @@ class _Batch:
                 chosen_C1 = zero_refused_targets(logprobs_CV.gather(-1, next_C1), next_C1, self.refused_M)
                 logprobs.extend(chosen_C1[:, 0].tolist())
             if k > 0:
-                topk.extend(_best(logprobs_CV, k))
+                topk.extend(best_alternatives(logprobs_CV, k))
             if num_draws:
-                tokens_CK = _draw(logprobs_CV, active.request.options.temperature, num_draws,
-                                  active.alt_tokens_generator)
+                tokens_CK = draw(logprobs_CV, active.request.options.temperature, num_draws,
+                                 active.alt_tokens_generator)
                 draws.append(tokens_CK)
                 draw_logprobs.append(logprobs_CV.gather(-1, tokens_CK))
             if targets is not None:
@@ -427,13 +518,13 @@ class _Batch:
             active = self.rows[rows[offsets[0]]][0]
             samples = [self.rows[rows[offset]][1] for offset in offsets]
             offsets_G = torch.tensor(offsets, device=self.device)
-            tokens_G = _sample_tokens(logits_RV[offsets_G], torch.tensor(samples, device=self.device),
-                                      active.request.num_samples, active.request.options, active.generator)
+            tokens_G = sample_tokens(logits_RV[offsets_G], active.request.options,
+                                     [active.generators[sample] for sample in samples])
             logprobs_G = logprobs_RV[offsets_G].gather(-1, tokens_G[:, None])[:, 0]
             self.token_R[torch.tensor([rows[o] for o in offsets], device=self.device)] = tokens_G
             alternatives = itertools.repeat(None)
             if k := active.request.logprobs.topk_sample_logprobs:
-                alternatives = _best(logprobs_RV[offsets_G], k)
+                alternatives = best_alternatives(logprobs_RV[offsets_G], k)
             for sample, token, logprob, best in zip(samples, tokens_G.tolist(), logprobs_G.tolist(), alternatives):
                 self._record(active, sample, token, logprob, best)
 
@@ -520,6 +611,8 @@ class _Batch:
 
 
 def _stopped(active: _Active, sample: int) -> bool:
+    if active.future.done():
+        return True  # failed, with rows still in the batch
     sequence = active.sequences[sample]
     return sequence.stop_reason == "stop" or len(sequence.tokens) >= active.request.options.max_tokens
 
@@ -528,57 +621,3 @@ def _as_server_error(error: Exception) -> Exception:
     if isinstance(error, (InvalidRequest, EngineUnavailable)):
         return error
     return EngineUnavailable(f"the embedded sampling engine failed: {type(error).__name__}: {error}")
-
-
-def _generator(device: torch.device, seed: int | None) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
-
-
-def _best(logprobs_GV: torch.Tensor, k: int) -> TopkRows:
-    """The k most likely (token, logprob) of each row, best first (never a refused id)."""
-    values_GK, tokens_GK = logprobs_GV.topk(min(k, logprobs_GV.shape[-1]), dim=-1)
-    return [[(t, v) for t, v in zip(tokens, values) if v != float("-inf")]
-            for tokens, values in zip(tokens_GK.tolist(), values_GK.tolist())]
-
-
-def _draw(logprobs_CV: torch.Tensor, temperature: float, num_draws: int, generator: torch.Generator) -> torch.Tensor:
-    """num_draws tokens per row, with replacement, at `temperature` (0: the most likely, every time)."""
-    if temperature == 0:
-        return logprobs_CV.argmax(dim=-1, keepdim=True).expand(-1, num_draws).contiguous()
-    return torch.multinomial((logprobs_CV / temperature).softmax(dim=-1), num_draws, replacement=True,
-                             generator=generator)
-
-
-def _sample_tokens(logits_GV: torch.Tensor, samples_G: torch.Tensor, num_samples: int, options: SamplingOptions,
-                   generator: torch.Generator) -> torch.Tensor:
-    """Draw one token for each of a request's rows (samples_G: which of its samples each row is)."""
-    if options.temperature == 0:
-        return logits_GV.argmax(dim=-1)
-    probs_GV = _filtered_probs(logits_GV, options)
-    # Exponential race (argmax of p / q, q ~ Exp(1)) draws from probs_GV, as vLLM does. Noise is
-    # drawn for all N samples in one call and indexed by sample, so a sample's draws do not depend
-    # on which other samples have stopped; the clamp keeps q = 0 from producing inf or nan.
-    noise_NV = torch.empty(num_samples, probs_GV.shape[-1], device=probs_GV.device)
-    noise_NV.exponential_(generator=generator)
-    noise_GV = noise_NV[samples_G].clamp_min(torch.finfo(noise_NV.dtype).tiny)
-    return (probs_GV / noise_GV).argmax(dim=-1)
-
-
-def _filtered_probs(logits_GV: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
-    """Apply temperature, then top-k, then top-p, and return the sampling distribution."""
-    scaled_GV = logits_GV / options.temperature
-    if 0 < options.top_k < scaled_GV.shape[-1]:
-        kth_G1 = scaled_GV.topk(options.top_k, dim=-1).values[:, -1:]
-        scaled_GV = scaled_GV.masked_fill(scaled_GV < kth_G1, float("-inf"))
-    if options.top_p < 1:
-        sorted_GV, order_GV = scaled_GV.sort(dim=-1, descending=True)
-        sorted_probs_GV = sorted_GV.softmax(dim=-1)
-        # Drop a token once the better tokens already hold top_p of the mass; the best always stays.
-        drop_GV = sorted_probs_GV.cumsum(dim=-1) - sorted_probs_GV >= options.top_p
-        scaled_GV = scaled_GV.scatter(-1, order_GV, sorted_GV.masked_fill(drop_GV, float("-inf")))
-    return scaled_GV.softmax(dim=-1)

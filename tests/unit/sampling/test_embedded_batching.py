@@ -16,7 +16,8 @@ from server.errors import EngineUnavailable
 from server.rendering.chunks import RenderedInput, render_model_input
 from server.sampling.embedded import EmbeddedEngine, load_engine_model
 from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
-from server.training.lora import LoraAdapter, LoraTarget, apply_lora_wrappers, select_targets, use_adapter
+from server.training.lora import (LoraAdapter, LoraLinear, LoraTarget, apply_lora_wrappers, select_targets,
+                                  use_adapter)
 from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
 
 from support.vision import context_for, encode, load, noise_image
@@ -32,8 +33,9 @@ def reference(models_dir):
     return base, targets, slot
 
 
-def engine_for(models_dir, **kwargs) -> tuple[EmbeddedEngine, list]:
-    """An engine and the list its forwards log (rows, cache width) to."""
+def engine_for(models_dir, row_ranks: list | None = None, **kwargs) -> tuple[EmbeddedEngine, list]:
+    """An engine and the list its forwards log (rows, cache width) to; `row_ranks`, when given, gets
+    each forward's LoRA rank per row (0: the base model), which tells requests of different adapters apart."""
     forwards = []
 
     def build():
@@ -44,12 +46,22 @@ def engine_for(models_dir, **kwargs) -> tuple[EmbeddedEngine, list]:
 
         def logged(*args, **call):
             forwards.append(tuple(call["attention_mask"].shape))
+            if row_ranks is not None:
+                row_ranks.append(adapter_rank_per_row(engine_model.slot.layers[0], forwards[-1][0]))
             return forward(*args, **call)
 
         inner.forward = logged
         return engine_model
 
     return EmbeddedEngine(build, **kwargs), forwards
+
+
+def adapter_rank_per_row(layer: LoraLinear, num_rows: int) -> list[int]:
+    """The rank of the adapter that each row of the running forward uses at `layer` (0: none)."""
+    if layer.row_adapter_B is None:
+        return [0] * num_rows
+    rank_of_adapter = torch.bincount(layer.column_adapter_J, minlength=int(layer.row_adapter_B.max()) + 1)
+    return rank_of_adapter[layer.row_adapter_B].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +194,87 @@ def test_requests_beyond_the_token_budget_wait_their_turn(models_dir, reference)
             assert_same_samples(output, engine.sample(request))
     finally:
         engine.close()
+
+
+def test_a_small_request_of_another_tenant_is_not_held_by_a_huge_one_admitted_in_parts(models_dir, reference,
+                                                                                      engine):
+    base, targets, _ = reference
+    budget = 96
+    ranks: list[list[int]] = []
+    fair, forwards = engine_for(models_dir, row_ranks=ranks, max_batch_tokens=budget)
+    prompt = prompts(base)[1]  # 4 tokens: a row of the huge request takes 4 + 24 cache positions, 3 fit
+    huge = SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=24, seed=7, top_k=50, top_p=0.95),
+                           adapter=AdapterRef(name="huge", directory=None, weights=adapter(targets, 7, 4)),
+                           num_samples=12, logprobs=LogprobOptions(prompt_logprobs=True, topk_sample_logprobs=2))
+    small = SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=3, seed=8),
+                            adapter=AdapterRef(name="small", directory=None, weights=adapter(targets, 8, 8)))
+    results = {}
+    try:
+        huge_thread = threading.Thread(target=lambda: results.update(huge=fair.sample(huge)))
+        huge_thread.start()
+        while len(forwards) < 3 and huge_thread.is_alive():  # the huge request is decoding
+            threading.Event().wait(0.01)
+        results["small"] = fair.sample(small)
+        huge_thread.join()
+    finally:
+        fair.close()
+    huge_rows = [row_ranks.count(4) for row_ranks in ranks]
+    small_forwards = [step for step, row_ranks in enumerate(ranks) if 8 in row_ranks]
+    # The huge request never had all its rows in the batch: it joined a few samples at a time, within the budget.
+    assert max(huge_rows) == budget // (4 + 24) < huge.num_samples
+    assert max(rows * width for rows, width in forwards) <= budget
+    # The small one ran beside it and was done while the huge one still had rows to decode.
+    assert small_forwards and huge_rows[small_forwards[0]] > 0
+    assert sum(huge_rows[small_forwards[-1] + 1:]) > 0
+    # Admitted in parts and interleaved, every sample is what the huge request gets in one batch.
+    in_one_batch = engine.sample(huge)
+    assert_same_samples(results["huge"], in_one_batch)
+    for got, want in zip(results["huge"].sequences, in_one_batch.sequences):
+        assert [[t for t, _ in k] for k in got.topk_logprobs] == [[t for t, _ in k] for k in want.topk_logprobs]
+    torch.testing.assert_close(torch.tensor(results["huge"].prompt_logprobs[1:]),
+                               torch.tensor(in_one_batch.prompt_logprobs[1:]), atol=1e-5, rtol=0)
+    assert_same_samples(results["small"], engine.sample(small))
+
+
+def test_two_huge_requests_share_the_batch_half_and_half_once_both_wait(models_dir, reference):
+    base, targets, _ = reference
+    budget = 6 * (4 + 24)  # six rows of 4 prompt + 24 sampled tokens: half is three rows
+    ranks: list[list[int]] = []
+    fair, _ = engine_for(models_dir, row_ranks=ranks, max_batch_tokens=budget)
+    prompt = prompts(base)[1]
+
+    def huge(seed: int, rank: int) -> SamplingRequest:
+        return SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=24, seed=seed), num_samples=12,
+                               adapter=AdapterRef(name=f"huge-{rank}", directory=None,
+                                                  weights=adapter(targets, seed, rank)))
+    try:
+        first = threading.Thread(target=lambda: fair.sample(huge(1, 4)))
+        first.start()
+        while len(ranks) < 3 and first.is_alive():  # the first one is decoding, alone: all six rows
+            threading.Event().wait(0.01)
+        fair.sample(huge(2, 8))
+        first.join()
+    finally:
+        fair.close()
+    first_rows = [row_ranks.count(4) for row_ranks in ranks]
+    second_rows = [row_ranks.count(8) for row_ranks in ranks]
+    assert max(first_rows) == 6  # alone, the first filled the budget
+    joined = second_rows.index(next(rows for rows in second_rows if rows))
+    last_of_first = max(step for step, rows in enumerate(first_rows) if rows)
+    assert joined < last_of_first  # the second got rows long before the first was done
+    # From then on, while both had rows to run, each held half the budget, neither more.
+    shared = list(zip(first_rows, second_rows))[joined:last_of_first + 1]
+    assert max(max(pair) for pair in shared) == 3
+
+
+def test_sample_i_of_seed_s_is_sample_0_of_seed_s_plus_i_as_on_vllm(engine, reference):
+    prompt = prompts(reference[0])[0]
+    together = engine.sample(SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=8, seed=20),
+                                             num_samples=3))
+    for index, sequence in enumerate(together.sequences):
+        alone = engine.sample(SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=8, seed=20 + index)))
+        assert (alone.sequences[0].tokens, alone.sequences[0].stop_reason) == (sequence.tokens, sequence.stop_reason)
+    assert len({tuple(sequence.tokens) for sequence in together.sequences}) > 1
 
 
 def test_media_placeholders_are_never_sampled_and_logprobs_are_renormalised(engine, reference):
