@@ -297,8 +297,11 @@ def vllm_command(config: VLLMConfig, model: ServedModel, port: int, scale_out_fl
 
 def vllm_environment(config: VLLMConfig) -> dict[str, str]:
     """The child's environment: ours (PATH, HOME, CUDA_VISIBLE_DEVICES, ...) plus vLLM's switches."""
-    # PYTHONPATH would put our environment's packages in front of the venv's.
-    environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    # PYTHONPATH would put our environment's packages in front of the venv's. OMP_NUM_THREADS would
+    # override the threads vLLM's CPU backend sizes and pins itself (all cores but one kept for its
+    # scheduler and API server): spinning on every core, the engine starved its own API server, which
+    # then took seconds to admit a request or answer /metrics.
+    environment = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "OMP_NUM_THREADS")}
     environment.update(
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",  # enables /v1/load_lora_adapter
         VLLM_CPU_KVCACHE_SPACE=str(config.kv_cache_space_gib),
