@@ -64,6 +64,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm-args", default="--gpu-memory-utilization 0.45",
                         help="more vLLM flags, for both sides (e.g. --enforce-eager)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/sampling-server-vs-vllm"))
+    parser.add_argument("--sides", default="server,raw",
+                        help="which sides to run now; each side's result is kept in --work-dir, and the table is "
+                             "printed once both are there (so the two can run in two calls of a time-limited machine)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     return parser.parse_args()
 
@@ -145,7 +148,8 @@ def run_server(args, model_dir: Path, server_flags: list[str], prompts: list[dic
             tc = service.create_lora_training_client(base_model=base_model, rank=RANK, seed=run).result()
             path = tc.save_weights_for_sampler("bench").result().path
             run_id, _, name = path.removeprefix("tinker://").split("/")
-            directories.append(str(data_dir / "checkpoints" / run_id / "sampler_weights" / name))
+            saved = data_dir / "checkpoints" / run_id / "sampler_weights" / name  # holds one version directory
+            directories.append(str(next(saved.glob("*/adapter_config.json")).parent))
             samplers.append(service.create_sampling_client(model_path=path).result())
         inputs = []
         for prompt in prompts:
@@ -221,8 +225,19 @@ def main() -> None:
     vllm_args = vllm_command(vllm_config, served, 0, needs_scale_out_flag(vllm_config))[3:]  # after "python -m <module>"
 
     prompts = build_prompts(args, model_dir, vision_ids)
-    server_result, adapters = run_server(args, model_dir, server_flags, prompts)
-    raw_result = run_raw(args, vllm_args, vllm_environment(vllm_config), prompts, adapters)
+    sides = args.sides.split(",")
+    server_path, raw_path = args.work_dir / "server-result.json", args.work_dir / "raw-result.json"
+    if "server" in sides:
+        server_result, adapters = run_server(args, model_dir, server_flags, prompts)
+        server_path.write_text(json.dumps({"result": server_result, "adapters": adapters}))
+    if "raw" in sides:
+        adapters = json.loads(server_path.read_text())["adapters"]  # the server saved them
+        raw_path.write_text(json.dumps(run_raw(args, vllm_args, vllm_environment(vllm_config), prompts, adapters)))
+    if not (server_path.exists() and raw_path.exists()):
+        print(f"kept in {args.work_dir}; run the other side with --sides")
+        return
+    server_result = json.loads(server_path.read_text())["result"]
+    raw_result = json.loads(raw_path.read_text())
 
     rows = []
     requests = len(requests_of_round(args, prompts, 0, SAMPLING))

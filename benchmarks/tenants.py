@@ -100,11 +100,16 @@ def run_tenants(args, server: LiveServer, num_tenants: int, base_model: str) -> 
         return time.perf_counter() - started
 
     def tenant(index: int) -> None:
-        start_barrier.wait()
-        step(index)  # warm-up
-        timed_barrier.wait()
-        for _ in range(args.steps):
-            latencies[index].append(step(index))
+        try:
+            start_barrier.wait()
+            step(index)  # warm-up
+            timed_barrier.wait()
+            for _ in range(args.steps):
+                latencies[index].append(step(index))
+        except BaseException:
+            start_barrier.abort()  # the others (and the timer) must not wait for this tenant forever
+            timed_barrier.abort()
+            raise
 
     threads = [threading.Thread(target=tenant, args=(index,)) for index in range(num_tenants)]
     for thread in threads:
@@ -115,6 +120,8 @@ def run_tenants(args, server: LiveServer, num_tenants: int, base_model: str) -> 
     for thread in threads:
         thread.join()
     seconds = time.perf_counter() - started
+    if any(len(times) < args.steps for times in latencies):
+        raise RuntimeError("a tenant failed (its error is above)")
     tokens = num_tenants * args.steps * args.sequences * args.sequence_length
     return dict(tokens_per_s=tokens / seconds,
                 tenant_median_step_s=[statistics.median(times) for times in latencies])

@@ -58,8 +58,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    max_tokens_per_microbatch: int = 16384
-    """Datums are packed into micro-batches of at most this many (padded) tokens."""
+    max_tokens_per_microbatch: int = 8192
+    """Datums are packed into micro-batches of at most this many (padded) tokens. 8,192 keeps a 4B or 8B
+    model's step within 80 GB in eager mode (measured: 54 GiB for 4B); with --compile a 4B model fits
+    16,384 (72 GiB, about 5 % faster), see benchmarks/RESULTS.md."""
     max_tokens_per_pass: int = 65536
     """Tokens of forward_backward work one training pass takes, shared fairly among the runs that have
     some ready (several runs' rows in one pass); a request over its share goes on in the next pass."""
@@ -105,8 +107,9 @@ class VLLMConfig:
     max_model_len: int = 8192
     """Longest prompt + completion, in expanded tokens (image pads included). vLLM cuts a completion
     short there instead of refusing the request, so the sampler refuses it."""
-    max_num_seqs: int = 64
-    """Sequences vLLM decodes at once; a request for more samples is split into several."""
+    max_num_seqs: int = 256
+    """Sequences vLLM decodes at once (vLLM's --max-num-seqs); a request for more samples is split into
+    several. RL rounds send hundreds of sequences at once: fewer would leave a GPU decoding in waves."""
     max_loras: int = 4
     """Adapters that may share one batch; 0 starts vLLM without LoRA (e.g. Qwen3-VL-MoE on CPU)."""
     max_lora_rank: int = 32
@@ -342,6 +345,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                              f"{DEFAULT_VLLM_PYTHON})")
     parser.add_argument("--vllm-url", default=None,
                         help="use a vLLM already running at this URL instead of starting one (default: start one)")
+    parser.add_argument("--vllm-max-num-seqs", type=int, default=VLLMConfig.max_num_seqs,
+                        help="sequences vLLM decodes at once")
     parser.add_argument("--vllm-max-loras", type=int, default=VLLMConfig.max_loras,
                         help="adapters that may share one vLLM batch")
     parser.add_argument("--vllm-max-lora-rank", type=int, default=VLLMConfig.max_lora_rank,
@@ -453,7 +458,7 @@ def _vllm_config(args: argparse.Namespace) -> VLLMConfig:
                              f"or pass --vllm-python PATH (a venv with vLLM and the server's plugin) or "
                              f"--vllm-url URL (a vLLM already running)")
     return VLLMConfig(
-        python=python, url=args.vllm_url,
+        python=python, url=args.vllm_url, max_num_seqs=args.vllm_max_num_seqs,
         max_loras=args.vllm_max_loras, max_lora_rank=args.vllm_max_lora_rank, max_cpu_loras=args.vllm_max_cpu_loras,
         # On CPUs a seeded request whose prefill is split draws extra random numbers (see VLLMConfig).
         chunked_prefill=args.device != "cpu", extra_args=split_command_line(args.vllm_args))

@@ -44,7 +44,7 @@ CLI_OPTIONS = {
     "--sampler-max-batch-tokens",
     "--vllm-python",
     "--vllm-url",
-    "--vllm-max-loras",
+    "--vllm-max-num-seqs", "--vllm-max-loras",
     "--vllm-max-lora-rank",
     "--vllm-max-cpu-loras",
     "--vllm-args",
@@ -210,5 +210,5 @@ def test_help_shows_the_values_of_the_defaults(capsys):
         parse_config(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: ./data,", "(default: embedded)",
-                  "(default: keys)", "(default: off)", "(default: 16384)"):
+                  "(default: keys)", "(default: off)", "(default: 8192)"):
         assert shown in text
