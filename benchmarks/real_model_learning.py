@@ -76,7 +76,9 @@ def run_digits(server, workdir: Path, args) -> list[dict]:
          "--batch-size", str(args.digits_batch_size), "--eval-every", str(args.digits_eval_every),
          "--learning-rate", str(args.digits_learning_rate), "--held-out-fraction",
          str(args.digits_held_out_fraction)],
-        env=dict(os.environ, TINKER_API_KEY=server.api_key, TINKER_TELEMETRY="0"), capture_output=True, text=True)
+        env=dict(os.environ, TINKER_API_KEY=server.api_key, TINKER_TELEMETRY="0",  # it imports client_compat
+                 PYTHONPATH=os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])),
+        capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     (args.out / "digits.png").write_bytes((log / "metrics.png").read_bytes())
     return read_jsonl(log / "metrics.jsonl")
