@@ -7,7 +7,8 @@ through the tinker SDK: a forward_backward of 8 x 1,024 tokens
 (importance_sampling, the RL loss) and an optim_step, then waits for both. The first step of each
 tenant is warm-up. Prints, per mode and tenant count, the aggregate tokens/s, the median and worst
 tenant's median step latency, the server's peak memory (GPU: reserved by its allocator; CPU: peak
-RSS), and the ratios batched / one-at-a-time.
+RSS), the mean seconds of a forward_backward's and of an optim_step's work on the training thread
+(from the server's metrics: where a step's time goes), and the ratios batched / one-at-a-time.
 
     python benchmarks/tenants.py --shape tiny --device cpu --dtype float32 --sequence-length 128 --steps 2
     python benchmarks/tenants.py --shape 4b            # on an H100 (the model is written once, see train_throughput.py)
@@ -66,6 +67,17 @@ def rl_data(args, seed: int):
                                         "logprobs": (-rng.random(args.sequence_length) * 5).tolist(),
                                         "advantages": rng.normal(size=args.sequence_length).tolist()})
             for _ in range(args.sequences)]
+
+
+def work_seconds(server: LiveServer) -> dict[str, tuple[float, int]]:
+    """Seconds and count of the requests' work on the training thread, by request type (the server's
+    tinker_request_seconds: from a request's first pass to its result; optim_step alone for OptimStep)."""
+    text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.api_key}"}).text
+    totals: dict[str, list[float]] = {}
+    for kind, request_type, value in re.findall(
+            r'^tinker_request_seconds_(sum|count)\{.*?request_type="(\w+)".*?\} (\S+)$', text, re.MULTILINE):
+        totals.setdefault(request_type, [0.0, 0])[kind == "count"] += float(value)
+    return {request_type: (total, int(count)) for request_type, (total, count) in totals.items()}
 
 
 def peak_memory_gib(server: LiveServer, device: str) -> float:
@@ -136,8 +148,15 @@ def measure_mode(args, mode: str, model_dir: Path) -> dict[int, dict]:
     try:
         results = {}
         for count in [int(count) for count in args.tenants.split(",")]:
+            before = work_seconds(server)
             results[count] = run_tenants(args, server, count, base_model)
             results[count]["peak_memory_gib"] = peak_memory_gib(server, args.device)
+            # Mean seconds of each kind's work (warm-up steps included): where a step's time goes.
+            after = work_seconds(server)
+            results[count]["mean_work_s"] = {
+                kind: (seconds - before.get(kind, (0.0, 0))[0]) / (number - before.get(kind, (0.0, 0))[1])
+                for kind, (seconds, number) in after.items()
+                if kind in ("ForwardBackward", "OptimStep") and number > before.get(kind, (0.0, 0))[1]}
             print(mode, count, results[count], flush=True)
         return results
     finally:
@@ -155,13 +174,15 @@ def main() -> None:
     print(f"\n{args.shape}, {args.device} {args.dtype}: each tenant steps {args.sequences} x {args.sequence_length} "
           f"tokens (importance_sampling) + optim_step, LoRA rank {args.rank}, {args.steps} timed steps")
     print(f"{'mode':14} {'tenants':>7} {'tokens/s':>10} {'median step s':>14} {'worst step s':>13} "
-          f"{'worst/solo':>10} {'peak GiB':>9}")
+          f"{'worst/solo':>10} {'peak GiB':>9} {'fwd-bwd s':>10} {'optim s':>8}")
     for mode, results in measured.items():
         solo = statistics.median(results[min(results)]["tenant_median_step_s"])
         for count, result in results.items():
             steps = result["tenant_median_step_s"]
+            work = result["mean_work_s"]
             print(f"{mode:14} {count:7d} {result['tokens_per_s']:10.0f} {statistics.median(steps):14.3f} "
-                  f"{max(steps):13.3f} {max(steps) / solo:10.2f} {result['peak_memory_gib']:9.2f}")
+                  f"{max(steps):13.3f} {max(steps) / solo:10.2f} {result['peak_memory_gib']:9.2f} "
+                  f"{work.get('ForwardBackward', float('nan')):10.3f} {work.get('OptimStep', float('nan')):8.3f}")
     if {"batched", "one-at-a-time"} <= measured.keys():
         for count in measured["batched"]:
             ratio = measured["batched"][count]["tokens_per_s"] / measured["one-at-a-time"][count]["tokens_per_s"]
