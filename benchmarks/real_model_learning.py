@@ -83,6 +83,13 @@ def run_math_rl(server, workdir: Path, name: str, learning_rate: float, args) ->
             for row in read_jsonl(log / "metrics.jsonl") if "env/all/reward/total" in row]
 
 
+def client_environment(server) -> dict[str, str]:
+    """A client script's environment: the server's key, and the repository importable (client_compat),
+    also where the project is not installed (the lent GPU machines)."""
+    return dict(os.environ, TINKER_API_KEY=server.api_key, TINKER_TELEMETRY="0",
+                PYTHONPATH=os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
 def run_digits(server, workdir: Path, args) -> list[dict]:
     log = workdir / "runs" / "digits"
     done = subprocess.run(
@@ -91,9 +98,7 @@ def run_digits(server, workdir: Path, args) -> list[dict]:
          "--batch-size", str(args.digits_batch_size), "--eval-every", str(args.digits_eval_every),
          "--learning-rate", str(args.digits_learning_rate), "--held-out-fraction",
          str(args.digits_held_out_fraction)],
-        env=dict(os.environ, TINKER_API_KEY=server.api_key, TINKER_TELEMETRY="0",  # it imports client_compat
-                 PYTHONPATH=os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])),
-        capture_output=True, text=True)
+        env=client_environment(server), capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     (args.out / "digits.png").write_bytes((log / "metrics.png").read_bytes())
     return read_jsonl(log / "metrics.jsonl")
@@ -108,9 +113,7 @@ def run_grid_walk(server, workdir: Path, models_dir: Path, name: str, learning_r
          f"batch_size={args.walk_groups}", f"group_size={args.walk_group_size}", "max_turns=4",
          f"max_tokens={args.walk_max_tokens}", f"max_steps={args.walk_steps}", f"learning_rate={learning_rate}",
          "lora_rank=32"],
-        env=dict(os.environ, TINKER_API_KEY=server.api_key, TINKER_TELEMETRY="0",
-                 PYTHONPATH=os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])),
-        capture_output=True, text=True)
+        env=client_environment(server), capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return [{"step": row["step"], **{key: row[key] for key in WALK_KEYS}}
             for row in read_jsonl(log / "metrics.jsonl") if "env/all/reward/total" in row]

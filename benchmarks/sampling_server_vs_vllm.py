@@ -231,7 +231,10 @@ def main() -> None:
         server_result, adapters = run_server(args, model_dir, server_flags, prompts)
         server_path.write_text(json.dumps({"result": server_result, "adapters": adapters}))
     if "raw" in sides:
-        adapters = json.loads(server_path.read_text())["adapters"]  # the server saved them
+        if not server_path.exists():
+            raise SystemExit(f"--sides raw loads the adapters the server side saved: run --sides server first "
+                             f"(same --work-dir, {args.work_dir})")
+        adapters = json.loads(server_path.read_text())["adapters"]
         raw_path.write_text(json.dumps(run_raw(args, vllm_args, vllm_environment(vllm_config), prompts, adapters)))
     if not (server_path.exists() and raw_path.exists()):
         print(f"kept in {args.work_dir}; run the other side with --sides")

@@ -152,11 +152,11 @@ def measure_mode(args, mode: str, model_dir: Path) -> dict[int, dict]:
             results[count] = run_tenants(args, server, count, base_model)
             results[count]["peak_memory_gib"] = peak_memory_gib(server, args.device)
             # Mean seconds of each kind's work (warm-up steps included): where a step's time goes.
-            after = work_seconds(server)
-            results[count]["mean_work_s"] = {
-                kind: (seconds - before.get(kind, (0.0, 0))[0]) / (number - before.get(kind, (0.0, 0))[1])
-                for kind, (seconds, number) in after.items()
-                if kind in ("ForwardBackward", "OptimStep") and number > before.get(kind, (0.0, 0))[1]}
+            after, mean_work = work_seconds(server), {}
+            for kind in ("ForwardBackward", "OptimStep"):
+                (seconds, number), (seconds_before, number_before) = after[kind], before.get(kind, (0.0, 0))
+                mean_work[kind] = (seconds - seconds_before) / (number - number_before)
+            results[count]["mean_work_s"] = mean_work
             print(mode, count, results[count], flush=True)
         return results
     finally:
@@ -182,7 +182,7 @@ def main() -> None:
             work = result["mean_work_s"]
             print(f"{mode:14} {count:7d} {result['tokens_per_s']:10.0f} {statistics.median(steps):14.3f} "
                   f"{max(steps):13.3f} {max(steps) / solo:10.2f} {result['peak_memory_gib']:9.2f} "
-                  f"{work.get('ForwardBackward', float('nan')):10.3f} {work.get('OptimStep', float('nan')):8.3f}")
+                  f"{work['ForwardBackward']:10.3f} {work['OptimStep']:8.3f}")
     if {"batched", "one-at-a-time"} <= measured.keys():
         for count in measured["batched"]:
             ratio = measured["batched"][count]["tokens_per_s"] / measured["one-at-a-time"][count]["tokens_per_s"]

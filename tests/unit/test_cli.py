@@ -3,12 +3,15 @@
 Adding, renaming or removing a flag must be a deliberate edit of CLI_OPTIONS below.
 """
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
 from server.config import (DEFAULT_VLLM_PYTHON, REPO_ROOT, ModelConfig, build_arg_parser, build_keys_arg_parser,
                            parse_config, parse_keys_command)
+from server.sampling.vllm_process import ServedModel, vllm_command
 
 CLI_OPTIONS = {
     "-h", "--help",
@@ -44,7 +47,8 @@ CLI_OPTIONS = {
     "--sampler-max-batch-tokens",
     "--vllm-python",
     "--vllm-url",
-    "--vllm-max-num-seqs", "--vllm-max-loras",
+    "--vllm-max-num-seqs",
+    "--vllm-max-loras",
     "--vllm-max-lora-rank",
     "--vllm-max-cpu-loras",
     "--vllm-args",
@@ -178,6 +182,17 @@ def test_vllm_args_keep_json_values_intact_quoted_or_not(tmp_path):
         extra = parse_config([*common, "--vllm-args", flags]).sampler.vllm.extra_args
         assert extra == ("--limit-mm-per-prompt", '{"image": 32}', "--seed", "3")
     assert parse_config([*common, "--vllm-args", '--x "a b"']).sampler.vllm.extra_args == ("--x", "a b")
+
+
+def test_the_vllm_batch_size_is_a_flag_that_reaches_vllm_and_the_servers_splitting(tmp_path):
+    common = ["--base-model", "builtin:tiny-qwen2-vl", "--sampler", "vllm", "--vllm-url", "http://127.0.0.1:1"]
+    assert parse_config(common).sampler.vllm.max_num_seqs == 256  # an RL round's sequences in one wave
+    config = parse_config([*common, "--vllm-max-num-seqs", "32"]).sampler.vllm
+    assert config.max_num_seqs == 32  # what VLLMEngine splits larger requests by
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2VLForConditionalGeneration"]}))
+    served = ServedModel(directory=tmp_path, name="m", dtype="float32", refused_token_ids=frozenset())
+    command = vllm_command(dataclasses.replace(config, python=Path("python"), url=None), served, port=8100)
+    assert command[command.index("--max-num-seqs") + 1] == "32"
 
 
 def test_the_vllm_venv_is_found_wherever_the_server_starts(tmp_path, monkeypatch, capsys):
