@@ -28,8 +28,8 @@ REFUSED_TOKEN_IDS = frozenset({769, 770})  # the tiny models' <|image_pad|> and 
 # on 2 cores), 1 GiB of KV cache, no chunked prefill (on CPU, seeds would depend on the load).
 # qwen2-vl serves adapters (lm_head too) with a single adapter slot and a single loaded adapter
 # (the eviction test needs that), 4 sequences per request (num_samples above it is split) and a long
-# context (the long request of the ordering test). qwen3-vl runs without LoRA: the configuration in
-# which vLLM serves prompt logprobs (with LoRA they go to the embedded engine, see sampling/vllm.py).
+# context (the context-length test samples all of it). qwen3-vl runs without LoRA: the configuration
+# in which vLLM serves prompt logprobs (with LoRA they go to the embedded engine, see sampling/vllm.py).
 ENGINE_CONFIGS = {
     "qwen2-vl": VLLMConfig(python=VLLM_PYTHON, max_model_len=2048, max_num_seqs=4, max_loras=1, max_lora_rank=8,
                            max_cpu_loras=1, kv_cache_space_gib=1, enforce_eager=True, chunked_prefill=False),
