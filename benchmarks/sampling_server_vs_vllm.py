@@ -6,7 +6,10 @@
 
 (a) raw vLLM: vLLM's own offline API (benchmarks/raw_vllm_sampling.py, in vLLM's environment, no
 server) with the very flags the server gives its vLLM; (b) `python -m server --sampler vllm` driven
-by the tinker SDK. Same model (Qwen3-VL-shaped, random weights, written by train_throughput.py), same
+by the tinker SDK; (c) in between, with `--sides engine`: vLLM's OpenAI server started as the server
+starts it and driven by the server's own VLLMEngine in this process, with no HTTP front, SDK or
+scheduler (sampling only: with LoRA the server scores on its embedded engine). (c)/(a) is what vLLM's
+API server and the client cost, (b)/(c) what the rest of the server costs. Same model (Qwen3-VL-shaped, random weights, written by train_throughput.py), same
 adapters (`--runs` training runs with Tinker's default LoRA config, rank 32 with lm_head, saved by the
 server and loaded by path by both), same prompts (text, and text with one image), same sampling
 parameters. Each round (an RL step) every run samples every prompt, 4 or 8 samples per request, all
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -64,7 +68,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm-args", default="--gpu-memory-utilization 0.45",
                         help="more vLLM flags, for both sides (e.g. --enforce-eager)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/sampling-server-vs-vllm"))
-    parser.add_argument("--sides", default="server,raw",
+    parser.add_argument("--sides", default="server,raw",  # and engine
                         help="which sides to run now; each side's result is kept in --work-dir, and the table is "
                              "printed once both are there (so the two can run in two calls of a time-limited machine)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -203,6 +207,43 @@ def run_raw(args, vllm_args: list[str], environment: dict, prompts: list[dict], 
     return {"workloads": {name: rounds[1:] for name, rounds in out["workloads"].items()}, "memory": memory.peak}
 
 
+def run_engine(args, vllm_config, served, prompts: list[dict], adapters: list[str]) -> dict:
+    """(c): the sampling rounds through vLLM's OpenAI server and the server's VLLMEngine, nothing else."""
+    from server.config import ImageConfig
+    from server.rendering.chunks import RenderedInput
+    from server.rendering.images import ImagePreparer
+    from server.sampling.types import AdapterRef, SamplingOptions, SamplingRequest
+    from server.sampling.vllm import VLLMEngine
+    from server.sampling.vllm_process import VLLMProcess
+
+    preparer = ImagePreparer(ImageProcessorSpec.from_model_dir(served.directory), ImageConfig())
+    image_pad = json.loads((served.directory / "config.json").read_text())["image_token_id"]
+    rendered = [RenderedInput(token_ids=p["token_ids"], image_token_id=image_pad,
+                              images=[preparer.prepare(Path(p["image"]).read_bytes(), "bench")] if p["image"] else [])
+                for p in prompts]
+    refs = [AdapterRef(name=f"run-{run}", directory=Path(directory)) for run, directory in enumerate(adapters)]
+    process = VLLMProcess(vllm_config, served, log_path=args.work_dir / "engine-vllm.log")
+    rounds = []
+    with PeakMemory(args.device, lambda: process_tree(process.pid or 0)) as memory:
+        try:
+            process.wait_until_ready()
+            engine = VLLMEngine(process)
+            for round_index in range(args.rounds + 1):
+                requests = [SamplingRequest(prompt=rendered[r["prompt"]], adapter=refs[r["run"]],
+                                            num_samples=r["num_samples"],
+                                            options=SamplingOptions(max_tokens=r["max_tokens"], temperature=1.0,
+                                                                    seed=r["seed"]))
+                            for r in requests_of_round(args, prompts, round_index, SAMPLING)]
+                start = time.perf_counter()
+                with ThreadPoolExecutor(len(requests)) as pool:
+                    outputs = list(pool.map(engine.sample, requests))
+                rounds.append({"seconds": time.perf_counter() - start,
+                               "tokens": sum(len(s.tokens) for out in outputs for s in out.sequences)})
+        finally:
+            process.close()
+    return {"workloads": {SAMPLING: rounds[1:]}, "memory": memory.peak}
+
+
 def main() -> None:
     args = parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -226,33 +267,43 @@ def main() -> None:
 
     prompts = build_prompts(args, model_dir, vision_ids)
     sides = args.sides.split(",")
-    server_path, raw_path = args.work_dir / "server-result.json", args.work_dir / "raw-result.json"
+    paths = {side: args.work_dir / f"{side}-result.json" for side in ("raw", "engine", "server")}
     if "server" in sides:
         server_result, adapters = run_server(args, model_dir, server_flags, prompts)
-        server_path.write_text(json.dumps({"result": server_result, "adapters": adapters}))
+        paths["server"].write_text(json.dumps({"result": server_result, "adapters": adapters}))
+    if {"raw", "engine"} & set(sides):
+        if not paths["server"].exists():
+            raise SystemExit(f"--sides raw and engine load the adapters the server side saved: run --sides server "
+                             f"first (same --work-dir, {args.work_dir})")
+        adapters = json.loads(paths["server"].read_text())["adapters"]
+    if "engine" in sides:
+        paths["engine"].write_text(json.dumps(run_engine(args, vllm_config, served, prompts, adapters)))
     if "raw" in sides:
-        if not server_path.exists():
-            raise SystemExit(f"--sides raw loads the adapters the server side saved: run --sides server first "
-                             f"(same --work-dir, {args.work_dir})")
-        adapters = json.loads(server_path.read_text())["adapters"]
-        raw_path.write_text(json.dumps(run_raw(args, vllm_args, vllm_environment(vllm_config), prompts, adapters)))
-    if not (server_path.exists() and raw_path.exists()):
+        result = run_raw(args, vllm_args, vllm_environment(vllm_config), prompts, adapters)
+        paths["raw"].write_text(json.dumps(result))
+    if not (paths["server"].exists() and paths["raw"].exists()):
         print(f"kept in {args.work_dir}; run the other side with --sides")
         return
-    server_result = json.loads(server_path.read_text())["result"]
-    raw_result = json.loads(raw_path.read_text())
+    results = {side: json.loads(path.read_text()) for side, path in paths.items() if path.exists()}
+    results["server"] = results["server"]["result"]
 
-    rows = []
+    rows, ratios = [], {}
     requests = len(requests_of_round(args, prompts, 0, SAMPLING))
-    workloads = args.workloads.split(",")
-    for workload in workloads:
-        for name, result in [("raw vLLM (offline API)", raw_result), ("through the server (SDK)", server_result)]:
-            rounds = result["workloads"][workload]
+    names = {"raw": "raw vLLM (offline API)", "engine": "vLLM's server + the server's VLLMEngine",
+             "server": "through the server (SDK)"}
+    for workload in args.workloads.split(","):
+        for side, name in names.items():
+            if workload not in results.get(side, {}).get("workloads", {}):
+                continue
+            rounds = results[side]["workloads"][workload]
             seconds = sum(r["seconds"] for r in rounds)
             rate = (sum(r["tokens"] for r in rounds) if workload == SAMPLING else requests * len(rounds)) / seconds
             rows.append({"workload": workload, "path": name, "seconds_per_round": [r["seconds"] for r in rounds],
-                         "rate": rate, "peak_memory_gib": result["memory"]})
-    ratios = {workload: rows[2 * i + 1]["rate"] / rows[2 * i]["rate"] for i, workload in enumerate(workloads)}
+                         "rate": rate, "peak_memory_gib": results[side]["memory"]})
+            if side == "raw":
+                raw_rate = rate
+            else:
+                ratios[f"{workload}: {name} / raw vLLM"] = rate / raw_rate
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
                                          "ratios": ratios}, indent=2))
@@ -267,8 +318,8 @@ def main() -> None:
         unit = "generated tokens/s" if row["workload"] == SAMPLING else "requests/s"
         print(f"| {row['workload']} | {row['path']} | {', '.join(f'{s:.2f}' for s in row['seconds_per_round'])} | "
               f"{row['rate']:.1f} {unit} | {row['peak_memory_gib']:.1f} |")
-    for workload, ratio in ratios.items():
-        print(f"{workload}: through the server / raw vLLM = {ratio:.3f}")
+    for name, ratio in ratios.items():
+        print(f"{name} = {ratio:.3f}")
 
 
 if __name__ == "__main__":
