@@ -180,8 +180,9 @@ def test_sampling_parameters_through_vllm(vllm_server):
 
 @pytest.mark.parametrize("family,flags", [("qwen2.5-vl", ()),
                                           # vLLM's MoE LoRA kernels need a GPU: on CPU it serves the base
-                                          # model and the embedded engine serves adapters.
-                                          ("qwen3-vl-moe", ("--vllm-max-loras", "0"))])
+                                          # model and the embedded engine serves adapters. Eager: vLLM
+                                          # caches no compile of the MoE model, 60-70 s at every start.
+                                          ("qwen3-vl-moe", ("--vllm-max-loras", "0", "--vllm-args=--enforce-eager"))])
 def test_every_vlm_family_samples_through_vllm_like_its_trainer(models_dir, tmp_path_factory, family, flags):
     server = start_vllm_server(models_dir, tmp_path_factory, family, *flags)
     try:
