@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from server.models.logprobs import mask_refused, refused_ids_tensor, zero_refused_targets
-from server.training.lora import row_mask
 
 
 class ChunkLoss(Protocol):
@@ -87,42 +86,41 @@ class TargetLogprobs(nn.Module):
         hidden_ND = hidden_BTD.flatten(0, 1).index_select(0, real_positions_N)
         lm_head = self.model.lm_head
         delta = lm_head.active_delta(hidden_ND.dtype)
-        lora_A_JD = lora_B_VJ = mask_NJ = None
+        lora_A_JD = lora_B_VJ = scale_NJ = None
         if delta is not None:
-            lora_A_JD, lora_B_VJ, column_adapter_J = delta
-            if column_adapter_J is not None:
-                adapter_N = lm_head.row_adapter_B[real_positions_N // input_ids_BT.shape[1]]
-                mask_NJ = row_mask(adapter_N, column_adapter_J, hidden_ND.dtype)
+            lora_A_JD, lora_B_VJ, row_scale_BJ = delta
+            if row_scale_BJ is not None:
+                scale_NJ = row_scale_BJ[real_positions_N // input_ids_BT.shape[1]]
         weight_VD = lm_head.base.weight
         if loss is None:
             with torch.no_grad():
-                return self._logprobs(hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, mask_NJ, targets_NK)
-        return _FusedUnembedding.apply(hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, mask_NJ, targets_NK, self, loss)
+                return self._logprobs(hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, scale_NJ, targets_NK)
+        return _FusedUnembedding.apply(hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, scale_NJ, targets_NK, self, loss)
 
-    def _logits(self, hidden_CD, weight_VD, lora_A_JD, lora_B_VJ, mask_CJ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logits(self, hidden_CD, weight_VD, lora_A_JD, lora_B_VJ, scale_CJ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A chunk's logits [C, V] in the activations' dtype, and its LoRA intermediate [C, J] (None without)."""
         logits_CV = hidden_CD @ weight_VD.T
         if lora_A_JD is None:
             return logits_CV, None
         mid_CJ = hidden_CD @ lora_A_JD.T
-        if mask_CJ is not None:
-            mid_CJ = mid_CJ * mask_CJ
+        if scale_CJ is not None:
+            mid_CJ = mid_CJ * scale_CJ
         return logits_CV.addmm_(mid_CJ, lora_B_VJ.T), mid_CJ
 
-    def _logprobs(self, hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, mask_NJ, targets_NK) -> torch.Tensor:
+    def _logprobs(self, hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, scale_NJ, targets_NK) -> torch.Tensor:
         pieces = []
         for start in range(0, hidden_ND.shape[0], self.chunk_size):
             chunk = slice(start, start + self.chunk_size)
             logits_CV, _ = self._logits(hidden_ND[chunk], weight_VD, lora_A_JD, lora_B_VJ,
-                                        None if mask_NJ is None else mask_NJ[chunk])
+                                        None if scale_NJ is None else scale_NJ[chunk])
             pieces.append(self._chunk_logprobs(logits_CV, targets_NK[chunk], self.refused_M)[0])
         return torch.cat(pieces)
 
-    def _loss_and_gradients(self, hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, mask_NJ, targets_NK,
+    def _loss_and_gradients(self, hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, scale_NJ, targets_NK,
                             loss: ChunkLoss):
         """The loss, and its gradient with respect to the hidden states and lm_head's LoRA factors."""
         if not loss.elementwise:
-            loss.prepare(self._logprobs(hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, mask_NJ, targets_NK))
+            loss.prepare(self._logprobs(hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, scale_NJ, targets_NK))
         grad_hidden_ND = torch.empty_like(hidden_ND)
         # Summed over the chunks in fp32: lm_head's B is the vocabulary wide.
         grad_A_JD = None if lora_A_JD is None else torch.zeros(lora_A_JD.shape, dtype=torch.float32,
@@ -131,8 +129,8 @@ class TargetLogprobs(nn.Module):
                                                                device=lora_B_VJ.device)
         for start in range(0, hidden_ND.shape[0], self.chunk_size):
             stop = min(start + self.chunk_size, hidden_ND.shape[0])
-            hidden_CD, mask_CJ = hidden_ND[start:stop], None if mask_NJ is None else mask_NJ[start:stop]
-            logits_CV, mid_CJ = self._logits(hidden_CD, weight_VD, lora_A_JD, lora_B_VJ, mask_CJ)
+            hidden_CD, scale_CJ = hidden_ND[start:stop], None if scale_NJ is None else scale_NJ[start:stop]
+            logits_CV, mid_CJ = self._logits(hidden_CD, weight_VD, lora_A_JD, lora_B_VJ, scale_CJ)
             logprobs_CK, normaliser_C = self._chunk_logprobs(logits_CV, targets_NK[start:stop], self.refused_M)
             grad_CK = loss.gradient(logprobs_CK, start, stop)
             grad_logits_CV = self._chunk_logits_grad(logits_CV, normaliser_C, targets_NK[start:stop], grad_CK,
@@ -141,8 +139,8 @@ class TargetLogprobs(nn.Module):
             torch.mm(grad_logits_CV, weight_VD, out=grad_hidden_ND[start:stop])
             if lora_A_JD is not None:
                 grad_mid_CJ = grad_logits_CV @ lora_B_VJ
-                if mask_CJ is not None:
-                    grad_mid_CJ = grad_mid_CJ * mask_CJ
+                if scale_CJ is not None:
+                    grad_mid_CJ = grad_mid_CJ * scale_CJ
                 grad_hidden_ND[start:stop].addmm_(grad_mid_CJ, lora_A_JD)
                 grad_B_VJ += (grad_logits_CV.T @ mid_CJ).float()
                 grad_A_JD += (grad_mid_CJ.T @ hidden_CD).float()
@@ -153,10 +151,10 @@ class _FusedUnembedding(torch.autograd.Function):
     """The unembedding and the loss as one autograd node: its backward only scales what forward found."""
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, mask_NJ, targets_NK, module: TargetLogprobs,
+    def forward(ctx, hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, scale_NJ, targets_NK, module: TargetLogprobs,
                 loss: ChunkLoss):
         total, grad_hidden_ND, grad_A_JD, grad_B_VJ = module._loss_and_gradients(
-            hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, mask_NJ, targets_NK, loss)
+            hidden_ND, weight_VD, lora_A_JD, lora_B_VJ, scale_NJ, targets_NK, loss)
         ctx.save_for_backward(grad_hidden_ND, grad_A_JD, grad_B_VJ)
         return total
 

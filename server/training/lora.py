@@ -4,8 +4,9 @@ The base model's target linear layers are wrapped once (`apply_lora_wrappers`). 
 add is set for the duration of a forward (and its backward) by the one thread that owns that model
 copy, through the model's `AdapterSlot`: `use_adapter` puts one adapter in place for every row,
 `use_adapter_rows` gives each row of the batch its own adapter (an `AdapterStack`: per layer, the
-ranks of all the adapters side by side, each row masked to its own adapter's columns, so the delta
-is two dense matmuls whatever the mix, and no weight is copied per row). Nothing outlives the `with` block, and nothing one model copy's owner sets is
+ranks of all the adapters side by side, each row scaled by its own adapter's scale on its columns
+and by 0 on the others', so the delta is two dense matmuls whatever the mix, and no weight is
+copied per row). Nothing outlives the `with` block, and nothing one model copy's owner sets is
 visible to another copy. The tensors belong to the model, not to a thread, so activation
 checkpointing may recompute a layer on autograd's own thread. Both paths are autograd-safe: the
 gradient of each adapter lands in its own tensors.
@@ -15,6 +16,10 @@ delta is computed in the activations' dtype (bf16 on GPUs), with fp32 master wei
 
 Shapes: lora_A is [rank, in_features], lora_B is [out_features, rank]. In an AdapterStack, J = the
 ranks of the adapters that adapt a layer, summed; B = rows of the batch, N = positions.
+
+A stack costs a few operations per layer, not a few per adapter and layer: in eager mode on a GPU
+every operation is a launch (and a node of the backward), and a pass over 8 runs of a 36-layer
+model would otherwise spend more time launching the stack than computing it.
 """
 
 import math
@@ -60,19 +65,17 @@ class LoraLinear(nn.Module):
         self.lora_A: torch.Tensor | None = None
         self.lora_B: torch.Tensor | None = None
         self.scale = 1.0
-        # One adapter per row (use_adapter_rows): the adapters' ranks side by side, A [J, in] (scales folded
-        # in) and B [out, J]; which adapter each of the J columns is, and each row's adapter.
+        # One adapter per row (use_adapter_rows): the adapters' ranks side by side, A [J, in] and B [out, J],
+        # and each row's scale on each column (its adapter's scale on its adapter's columns, else 0).
         self.grouped_A: torch.Tensor | None = None
         self.grouped_B: torch.Tensor | None = None
-        self.column_adapter_J: torch.Tensor | None = None
-        self.row_adapter_B: torch.Tensor | None = None
+        self.row_scale_BJ: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if self.grouped_A is not None:
-            rows = self.row_adapter_B.shape[0]
-            mid = (x.reshape(rows, -1, x.shape[-1]) @ self.grouped_A.T) * row_mask(
-                self.row_adapter_B, self.column_adapter_J, x.dtype)[:, None, :]
+            rows = self.row_scale_BJ.shape[0]
+            mid = (x.reshape(rows, -1, x.shape[-1]) @ self.grouped_A.T) * self.row_scale_BJ[:, None, :]
             return torch.addmm(y.reshape(-1, y.shape[-1]), mid.reshape(-1, mid.shape[-1]),
                                self.grouped_B.T).view_as(y)
         if self.lora_A is None:
@@ -85,18 +88,13 @@ class LoraLinear(nn.Module):
 
     def active_delta(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """What the layer adds in the current setting, for callers that apply it themselves (the fused
-        unembedding): A [J, in] with the scale folded in and B [out, J] in `dtype`, and for per-row
-        adapters which adapter each column is (None: every row uses every column). None: nothing."""
+        unembedding): A [J, in] and B [out, J] in `dtype`, and for per-row adapters each row's scale on
+        each column [B, J] (None: one adapter, its scale folded into A). None: nothing."""
         if self.grouped_A is not None:
-            return self.grouped_A.to(dtype), self.grouped_B.to(dtype), self.column_adapter_J
+            return self.grouped_A.to(dtype), self.grouped_B.to(dtype), self.row_scale_BJ.to(dtype)
         if self.lora_A is None:
             return None
         return (self.lora_A * self.scale).to(dtype), self.lora_B.to(dtype), None
-
-
-def row_mask(row_adapter: torch.Tensor, column_adapter_J: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[rows, J]: 1 where a column belongs to the row's adapter, else 0 (rows: batch rows or positions)."""
-    return (row_adapter[:, None] == column_adapter_J[None, :]).to(dtype)
 
 
 class LoraAdapter:
@@ -155,35 +153,50 @@ class LoraAdapter:
         return cls(rank, alpha, lora_A, lora_B)
 
 
+Columns = tuple[int, ...]
+"""Which adapters (by index in the stack) adapt a layer, in column order."""
+
+
 class AdapterStack:
     """Several adapters side by side per layer, for batches whose rows use different adapters.
 
-    For each layer, the adapters that adapt it contribute their ranks as columns: A [J, in] (each
-    adapter's scale folded in) and B [out, J], and `column_adapter_J` says whose each column is. A
-    row then multiplies by all of A, keeps its own adapter's columns and multiplies by B: two dense
-    matmuls for the whole batch whatever the mix of adapters, ranks and targets, and no per-row copy
-    of any weight (lm_head's B is the vocabulary wide). A None adapter, or one that does not adapt a
-    layer, has no columns there (the base model). Built with differentiable ops from the adapters' own
-    tensors, so under autograd each adapter's gradient lands in its own lora_A / lora_B.
+    For each layer, the adapters that adapt it contribute their ranks as columns: A [J, in] and
+    B [out, J]. A row multiplies by all of A, scales its own adapter's columns by its scale and the
+    others' by 0, and multiplies by B: two dense matmuls for the whole batch whatever the mix of
+    adapters, ranks and targets, and no per-row copy of any weight (lm_head's B is the vocabulary
+    wide). A None adapter, or one that does not adapt a layer, has no columns there (the base model).
+    Built with differentiable ops from the adapters' own tensors (one concatenation and one cast per
+    tensor), so under autograd each adapter's gradient lands in its own lora_A / lora_B. Layers that
+    the same adapters adapt share one column layout, whose row scales are computed once per forward.
     """
 
     def __init__(self, slot: AdapterSlot, adapters: Sequence["LoraAdapter | None"], dtype: torch.dtype):
         self.adapters = list(adapters)
         self.lora_A: dict[str, torch.Tensor] = {}
         self.lora_B: dict[str, torch.Tensor] = {}
-        self.column_adapter: dict[str, torch.Tensor] = {}
+        self.columns: dict[str, Columns] = {}
+        self._column_scales: dict[Columns, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Per layout: which adapter each column is [J] and its scale [J], on the device."""
         for layer in slot.layers:
-            adapting = [(index, adapter) for index, adapter in enumerate(self.adapters)
+            adapting = [index for index, adapter in enumerate(self.adapters)
                         if adapter is not None and layer.name in adapter.lora_A]
             if not adapting:
                 continue  # no adapter of the batch adapts this layer
-            self.lora_A[layer.name] = torch.cat([(adapter.lora_A[layer.name] * adapter.scale).to(dtype)
-                                                 for _, adapter in adapting])
-            self.lora_B[layer.name] = torch.cat([adapter.lora_B[layer.name].to(dtype) for _, adapter in adapting],
-                                                dim=1)
-            self.column_adapter[layer.name] = torch.tensor(
-                [index for index, adapter in adapting for _ in range(adapter.rank)],
-                device=layer.base.weight.device)
+            self.lora_A[layer.name] = torch.cat([self.adapters[i].lora_A[layer.name] for i in adapting]).to(dtype)
+            self.lora_B[layer.name] = torch.cat([self.adapters[i].lora_B[layer.name] for i in adapting],
+                                                dim=1).to(dtype)
+            columns = self.columns[layer.name] = tuple(adapting)
+            if columns not in self._column_scales:
+                owners = [i for i in columns for _ in range(self.adapters[i].rank)]
+                device = layer.base.weight.device
+                self._column_scales[columns] = (
+                    torch.tensor(owners, device=device),
+                    torch.tensor([self.adapters[i].scale for i in owners], dtype=dtype, device=device))
+
+    def row_scales(self, row_adapter_B: torch.Tensor) -> dict[Columns, torch.Tensor]:
+        """Per layout, each row's scale on each column [B, J]: its adapter's scale on its adapter's columns, else 0."""
+        return {columns: (row_adapter_B[:, None] == owner_J[None, :]) * scale_J
+                for columns, (owner_J, scale_J) in self._column_scales.items()}
 
 
 @contextmanager
@@ -203,11 +216,11 @@ def use_adapter(slot: AdapterSlot, adapter: LoraAdapter | None) -> Iterator[None
 @contextmanager
 def use_adapter_rows(slot: AdapterSlot, stack: AdapterStack, row_adapter_B: torch.Tensor) -> Iterator[None]:
     """Run the enclosed calls with adapter `stack.adapters[row_adapter_B[b]]` on row b of every input."""
+    row_scales = stack.row_scales(row_adapter_B)
     for layer in slot.layers:
-        layer.grouped_A = stack.lora_A.get(layer.name)
-        layer.grouped_B = stack.lora_B.get(layer.name)
-        layer.column_adapter_J = stack.column_adapter.get(layer.name)
-        layer.row_adapter_B = row_adapter_B if layer.grouped_A is not None else None
+        if layer.name in stack.columns:
+            layer.grouped_A, layer.grouped_B = stack.lora_A[layer.name], stack.lora_B[layer.name]
+            layer.row_scale_BJ = row_scales[stack.columns[layer.name]]
     try:
         yield
     finally:
@@ -216,8 +229,7 @@ def use_adapter_rows(slot: AdapterSlot, stack: AdapterStack, row_adapter_B: torc
 
 def _clear(slot: AdapterSlot) -> None:
     for layer in slot.layers:
-        layer.lora_A = layer.lora_B = layer.grouped_A = layer.grouped_B = None
-        layer.column_adapter_J = layer.row_adapter_B = None
+        layer.lora_A = layer.lora_B = layer.grouped_A = layer.grouped_B = layer.row_scale_BJ = None
         layer.scale = 1.0
 
 

@@ -58,10 +58,9 @@ def engine_for(models_dir, row_ranks: list | None = None, **kwargs) -> tuple[Emb
 
 def adapter_rank_per_row(layer: LoraLinear, num_rows: int) -> list[int]:
     """The rank of the adapter that each row of the running forward uses at `layer` (0: none)."""
-    if layer.row_adapter_B is None:
+    if layer.row_scale_BJ is None:
         return [0] * num_rows
-    rank_of_adapter = torch.bincount(layer.column_adapter_J, minlength=int(layer.row_adapter_B.max()) + 1)
-    return rank_of_adapter[layer.row_adapter_B].tolist()
+    return (layer.row_scale_BJ != 0).sum(dim=1).tolist()
 
 
 @pytest.fixture(scope="module")

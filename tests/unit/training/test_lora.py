@@ -82,4 +82,4 @@ def test_nothing_one_forward_sets_outlives_its_block(model_and_adapters):
         with use_adapter(slot, first):
             logits_BTV(model, input_ids_BT)
         assert torch.equal(logits_BTV(model, input_ids_BT), plain)
-    assert all(layer.lora_A is None and layer.grouped_A is None and layer.row_adapter_B is None for layer in slot.layers)
+    assert all(layer.lora_A is None and layer.grouped_A is None and layer.row_scale_BJ is None for layer in slot.layers)
