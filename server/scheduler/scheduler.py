@@ -13,8 +13,9 @@ the executor in cycles: first each run's next operation that is not a forward_ba
 a save's copy, a load: short), then one pass of forward_backward / forward operations of several
 runs together, shared fairly under a token budget (scheduler/passes.py); a request bigger than its
 share goes on in the next pass. So eight tenants' small steps take one pass, and no tenant's long
-job holds another's small step for more than a pass. A save's future completes off the training
-thread: the checkpoint writer writes the host copy and records it, while training goes on.
+job holds another's small step for more than a pass. Outcomes are recorded off the training thread,
+in the order the operations ran: the finisher journals each result (and what its route records with
+it) while the next cycle computes, and the checkpoint writer writes a save's host copy first.
 Sampling has its own threads (several when the engine batches concurrent requests). Waiters are
 woken in memory; the database is only the journal, and an outcome it cannot take (a full disk) is
 kept in memory and answered from there until it can.
@@ -47,6 +48,9 @@ CREATION_SEQ_ID = 0
 # Saves copied but not yet written: a client saving faster than the disk takes holds the training
 # thread here, so that host copies never pile up.
 MAX_PENDING_WRITES = 2
+# Outcomes handed to the finisher and not yet recorded: a journal slower than training holds the
+# training thread here, so that results never pile up in memory.
+MAX_PENDING_FINISHES = 64
 
 Respond = Callable[[Any], tuple[bytes, str]]
 """Turns an operation's result into the future's payload and content type, recording what the route
@@ -127,6 +131,10 @@ class Scheduler:
         self._sampling = ThreadPoolExecutor(max_workers=sampling_workers, thread_name_prefix="sampling")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._write_slots = threading.Semaphore(MAX_PENDING_WRITES)
+        # A step's results take several database commits (the future, the run's metrics): on the
+        # training thread they would leave the accelerator idle between cycles.
+        self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="finisher")
+        self._finish_slots = threading.Semaphore(MAX_PENDING_FINISHES)
         self._queues: dict[str, _ModelQueue] = {}
         """Event loop only: each run's requests waiting for their seq_id's turn."""
         self._lock = threading.Condition()
@@ -323,6 +331,7 @@ class Scheduler:
         _, sampling_unfinished = concurrent.futures.wait(sampling_running,
                                                          timeout=max(0.0, deadline - time.monotonic()))
         self._writer.shutdown(wait=False, cancel_futures=True)
+        self._finisher.shutdown(wait=False, cancel_futures=True)
         unfinished += [request_id for request_id, future in sampling.items() if future in sampling_unfinished]
         interrupted = ShuttingDown(f"the server shut down while this request ran (it did not finish within "
                                    f"{timeout:g} s); its effect is lost: send it again once the server is back")
@@ -386,12 +395,15 @@ class Scheduler:
                     return
                 alone, passing = self._next_cycle()
                 for request in [*alone, *(request for request, _ in passing)]:
-                    request.started = request.started or time.perf_counter()
                     if request.request_id is not None:
                         self._running[request.request_id] = request
             for request in alone:
+                request.started = time.perf_counter()
                 self._run_alone(request)
             if passing:
+                started = time.perf_counter()
+                for request, _ in passing:  # a request's work: from its first pass to its result
+                    request.started = request.started or started
                 self._run_pass(passing)
 
     def _next_cycle(self) -> tuple[list[TrainingRequest], list[tuple[TrainingRequest, int]]]:
@@ -441,7 +453,7 @@ class Scheduler:
         try:
             result = self.executor.run(request.operation)
         except Exception as error:
-            self._finish(request, error=error)
+            self._finish_later(request, error=error)
             return
         if isinstance(request.operation, SaveState):
             # The copy is taken; the disk is the writer's wait, not the next step's.
@@ -452,7 +464,7 @@ class Scheduler:
                 self._write_slots.release()
                 self._finish(request, error=ShuttingDown("the server shut down before this checkpoint was written"))
             return
-        self._finish(request, result)
+        self._finish_later(request, result)
 
     def _write(self, request: TrainingRequest, state) -> None:
         try:
@@ -470,7 +482,7 @@ class Scheduler:
         unfinished = []
         for (request, datums), outcome in zip(passing, outcomes):
             if isinstance(outcome, Exception):
-                self._finish(request, error=outcome)
+                self._finish_later(request, error=outcome)
                 continue
             if request.result is None:
                 request.result = outcome
@@ -478,7 +490,7 @@ class Scheduler:
                 request.result.extend(outcome)
             request.done += datums
             if request.done == len(request.operation.examples):
-                self._finish(request, request.result)
+                self._finish_later(request, request.result)
             else:
                 unfinished.append(request)
         with self._lock:
@@ -492,6 +504,21 @@ class Scheduler:
             self._finish(request, error=ShuttingDown("the server shut down while this request ran (part of its "
                                                      "datums had run); its effect is lost: send it again once the "
                                                      "server is back"))
+
+    def _finish_later(self, request: TrainingRequest, result: Any = None, error: Exception | None = None) -> None:
+        """Training thread: have the finisher record the outcome, in order, while training goes on."""
+        self._finish_slots.acquire()
+        try:
+            self._finisher.submit(self._finish_and_release, request, result, error)
+        except RuntimeError:  # the finisher is shut down: the server is stopping
+            self._finish_slots.release()
+            self._finish(request, result, error)
+
+    def _finish_and_release(self, request: TrainingRequest, result: Any, error: Exception | None) -> None:
+        try:
+            self._finish(request, result, error)
+        finally:
+            self._finish_slots.release()
 
     def _finish(self, request: TrainingRequest, result: Any = None, error: Exception | None = None) -> None:
         """Turn an operation's result into its future's outcome (through the route's `respond`) and record it."""
