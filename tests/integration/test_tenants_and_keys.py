@@ -171,11 +171,12 @@ def test_a_revoked_key_is_refused_from_the_next_request_on(server):
 
 
 def test_an_admin_key_reads_the_metrics(server, owned):
+    assert server.metric("tinker_http_requests_total", method="POST", route="/api/v1/forward_backward",
+                         status="200") > 0
+    assert server.metric("tinker_request_seconds_count", request_type="ForwardBackward", outcome="complete") > 0
+    assert server.metric("tinker_tokens_total", kind="trained") > 0
     text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.api_key}"}).text
-    assert 'tinker_http_requests_total{method="POST",route="/api/v1/forward_backward",status="200"}' in text
-    assert 'tinker_request_seconds_count{outcome="complete",request_type="ForwardBackward"}' in text
-    assert f'tinker_run_queue_depth{{model_id="{owned["model"]}"}} 0.0' in text
-    assert 'tinker_tokens_total{kind="trained"}' in text
+    assert f'tinker_run_queue_depth{{model_id="{owned["model"]}"}} 0.0' in text  # present, and idle
 
 
 def test_auth_none_is_refused_on_a_host_others_can_reach(tmp_path):

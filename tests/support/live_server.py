@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import tinker
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE_MODEL = "builtin:tiny-qwen3"
@@ -50,6 +51,16 @@ class LiveServer:
         database = ["--database-url", self.database_url] if self.database_url is not None else []
         return subprocess.run([sys.executable, "-m", "server", "keys", *args, "--data-dir", str(self.data_dir),
                                *database], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=True)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the server's Prometheus metrics, 0 when absent (read with `api_key`, an admin key
+        when the first start printed it), matched by its labels whatever their order."""
+        text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {self.api_key}"}).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return sample.value
+        return 0.0
 
     def create_key(self, tenant: str, *, admin: bool = False) -> str:
         """Issue a new API key for `tenant`."""
