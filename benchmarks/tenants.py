@@ -20,6 +20,7 @@ with no tenant's latency above twice its solo time.
 import argparse
 import json
 import re
+import shutil
 import statistics
 import sys
 import threading
@@ -143,7 +144,10 @@ def measure_mode(args, mode: str, model_dir: Path) -> dict[int, dict]:
     base_model = BASE_NAME.format(shape=args.shape)
     command = ["--model-path", str(model_dir), "--device", args.device, "--dtype", args.dtype, *MODES[mode],
                *args.server_args.split()]
-    server = start_server(args.work_dir / f"tenants-{args.shape}-{mode}", None, None, *command,
+    # A fresh data dir: on an old one the server prints no admin key, and /metrics (admin only) refuses.
+    data_dir = args.work_dir / f"tenants-{args.shape}-{mode}"
+    shutil.rmtree(data_dir, ignore_errors=True)
+    server = start_server(data_dir, None, None, *command,
                           base_model=base_model, startup_seconds=900)
     try:
         results = {}

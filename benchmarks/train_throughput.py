@@ -115,6 +115,8 @@ def write_model(shape: str, out: Path, device: str) -> Path:
         model = Qwen3VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out)
     del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # else this process keeps the model's memory from the server it starts next
     return out
 
 
