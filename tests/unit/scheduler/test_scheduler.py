@@ -412,21 +412,21 @@ def test_a_long_request_of_one_run_does_not_hold_another_runs_small_one(store):
             len(executor.passes) == 0 and asyncio.run_coroutine_threadsafe(small_sent(), loop).result(10))
         done = []
 
+        def finishing(name):
+            def respond(result):  # outcomes are recorded in the order their requests finished
+                done.append(name)
+                return respond_with_outputs(result)
+            return respond
+
         async def small_sent():
             small_ids.append(await _submit(scheduler, "small", 1, forward_backward("s:train:1", [10]),
-                                           model_id="s:train:1", respond=respond_with_outputs))
+                                           model_id="s:train:1", respond=finishing("small")))
             arrived.set()
 
         small_ids = []
-        long = await _submit(scheduler, "long", 1, forward_backward("s:train:0", [10] * 12), respond=respond_with_outputs)
+        long = await _submit(scheduler, "long", 1, forward_backward("s:train:0", [10] * 12), respond=finishing("long"))
         await arrived.wait()
-
-        async def finish(name, request_id):
-            record = await scheduler.retrieve(request_id, timeout=10, owner="o")
-            done.append(name)
-            return record
-
-        records = await asyncio.gather(finish("long", long), finish("small", small_ids[0]))
+        records = [await scheduler.retrieve(request_id, timeout=10, owner="o") for request_id in (long, small_ids[0])]
         scheduler.close()
         return executor.passes, done, records
 
