@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from PIL import Image
+from torch.profiler import record_function
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
@@ -89,7 +90,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100 SXM)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/train-throughput"))
-    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one in-process step")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the operations and kernels that took most GPU time in one in-process step")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     return parser.parse_args()
 
@@ -198,15 +200,18 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
             trainer.create_model(model_id, LoraConfig(rank=args.rank, seed=0))
 
             def step():
-                examples = [render_training_datum(datum, index, context, ("weights",))
-                            for index, datum in enumerate(data)]
-                trainer.forward_backward(model_id, examples, "cross_entropy", None, forward_only=False)
-                trainer.optim_step(model_id, ADAM)
+                with record_function("render"):  # named in --profile's trace
+                    examples = [render_training_datum(datum, index, context, ("weights",))
+                                for index, datum in enumerate(data)]
+                with record_function("forward_backward"):
+                    trainer.forward_backward(model_id, examples, "cross_entropy", None, forward_only=False)
+                with record_function("optim_step"):
+                    trainer.optim_step(model_id, ADAM)
 
             results[variant] = time_steps(args, step, sync=torch.cuda.synchronize if args.device == "cuda" else None,
                                           peak_memory=peak_allocated if args.device == "cuda" else None)
             if args.profile and args.device == "cuda":
-                profile_step(step)
+                profile_step(step, args.work_dir / f"trace-{shape}-{variant}.json")
             trainer.unload(model_id)
     finally:
         trainer.stop_followers()
@@ -246,13 +251,16 @@ def device_memory_in_use() -> float:
     return (total - free) / 2**30
 
 
-def profile_step(step) -> None:
+def profile_step(step, trace: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         step()
         torch.cuda.synchronize()
-    print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+    print(profiler.key_averages().table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90),
+          flush=True)
+    profiler.export_chrome_trace(str(trace))
+    print(f"Chrome trace of the step: {trace}", flush=True)
 
 
 # -- (b) through the API -------------------------------------------------------------------------------

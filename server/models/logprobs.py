@@ -21,7 +21,11 @@ def mask_refused(logits_NV: torch.Tensor, refused_M: torch.Tensor) -> torch.Tens
     """The logits with -inf at the refused ids (unchanged when there are none)."""
     if refused_M.numel() == 0:
         return logits_NV
-    return logits_NV.index_fill(-1, refused_M, float("-inf"))
+    # An element-wise mask, not an index_fill: compiled, it fuses into whatever reads the logits next,
+    # instead of writing a masked copy of them first.
+    refused_V = torch.zeros(logits_NV.shape[-1], dtype=torch.bool, device=logits_NV.device).index_fill_(
+        0, refused_M, True)
+    return logits_NV.masked_fill(refused_V, float("-inf"))
 
 
 def renormalised_logprobs(logits_NV: torch.Tensor, refused_M: torch.Tensor) -> torch.Tensor:

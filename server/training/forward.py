@@ -56,7 +56,13 @@ def _chunk_logits_grad(logits_CV: torch.Tensor, normaliser_C: torch.Tensor, targ
     """d/dlogits of sum(grad * log p(target)), in the logits' dtype: grad at the targets minus p times its sum."""
     probs_CV = torch.exp(mask_refused(logits_CV.float(), refused_M) - normaliser_C[:, None])
     grad_CK = zero_refused_targets(grad_CK, targets_CK, refused_M)  # a refused target's logprob is a constant 0
-    return (probs_CV * -grad_CK.sum(-1, keepdim=True)).scatter_add(-1, targets_CK, grad_CK).to(logits_CV.dtype)
+    grad_logits_CV = probs_CV * -grad_CK.sum(-1, keepdim=True)
+    # The targets' terms by comparison, not by a scatter: compiled, the whole function is then one pass
+    # over the chunk (a scatter needs the chunk's fp32 gradient written out first, then cast).
+    vocab_V = torch.arange(logits_CV.shape[-1], device=logits_CV.device)
+    for k in range(targets_CK.shape[1]):
+        grad_logits_CV = grad_logits_CV + torch.where(vocab_V == targets_CK[:, k, None], grad_CK[:, k, None], 0.0)
+    return grad_logits_CV.to(logits_CV.dtype)
 
 
 class TargetLogprobs(nn.Module):

@@ -73,18 +73,18 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        # The rank-wide intermediate is scaled, not the output. The delta is added as a plain sum, not
+        # by addmm: addmm first copies y into its output, and compiled, the sum fuses into whatever
+        # reads the output next (a norm, the gating, the residual add), so the delta costs one write
+        # and one read of the output's width.
         if self.grouped_A is not None:
             rows = self.row_scale_BJ.shape[0]
             mid = (x.reshape(rows, -1, x.shape[-1]) @ self.grouped_A.T) * self.row_scale_BJ[:, None, :]
-            return torch.addmm(y.reshape(-1, y.shape[-1]), mid.reshape(-1, mid.shape[-1]),
-                               self.grouped_B.T).view_as(y)
+            return y + (mid @ self.grouped_B.T).view_as(y)
         if self.lora_A is None:
             return y
         lora_A, lora_B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        # Scale the rank-wide intermediate, not the output, and let the second matmul add into y:
-        # no extra pass over the (wide) output in forward or backward.
-        scaled = (x @ lora_A.T) * self.scale
-        return torch.addmm(y.reshape(-1, y.shape[-1]), scaled.reshape(-1, scaled.shape[-1]), lora_B.T).view_as(y)
+        return y + ((x @ lora_A.T) * self.scale) @ lora_B.T
 
     def active_delta(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """What the layer adds in the current setting, for callers that apply it themselves (the fused

@@ -3,8 +3,9 @@ objects rank 0 sends to the other ranks.
 
 Every training rank holds the frozen base sharded with FSDP2 (`fully_shard` per decoder block, then
 the root) and a full replica of each run's LoRA adapter and AdamW state, which are small; LoRA
-gradients are summed across ranks before each optimizer step. World size 1 is the same code path
-on a one-rank mesh. Knows nothing about losses, requests or the API.
+gradients are summed across ranks before each optimizer step. At world size 1 the base is not
+sharded: there FSDP would only copy each block's weights into a gather buffer and out again, in every
+forward and every backward. Knows nothing about losses, requests or the API.
 """
 
 import socket
@@ -81,9 +82,10 @@ def init_training_group(rank: int, world_size: int, device_type: str, master_add
     return TrainingGroup(rank=rank, world_size=world_size, device=device, mesh=mesh, objects=objects)
 
 
-def apply_fsdp(root: nn.Module, decoder_layers: nn.ModuleList, ignored: nn.Module | None, mesh: DeviceMesh,
-               activation_checkpointing: bool, compile: bool) -> None:
-    """Shard the frozen base: each decoder block is one FSDP unit, the rest of `root` another.
+def prepare_blocks(root: nn.Module, decoder_layers: nn.ModuleList, ignored: nn.Module | None, mesh: DeviceMesh,
+                   activation_checkpointing: bool, compile: bool) -> None:
+    """Checkpoint and compile each decoder block as asked; over several ranks, shard the frozen base
+    (each decoder block is one FSDP unit, the rest of `root` another).
 
     Args:
         root: the module whose forward runs the whole computation, so that its hooks gather the
@@ -98,5 +100,7 @@ def apply_fsdp(root: nn.Module, decoder_layers: nn.ModuleList, ignored: nn.Modul
             decoder_layers[index] = layer
         if compile:
             layer.compile()
-        fully_shard(layer, mesh=mesh)
-    fully_shard(root, mesh=mesh, ignored_params=set(ignored.parameters()) if ignored is not None else None)
+        if mesh.size() > 1:
+            fully_shard(layer, mesh=mesh)
+    if mesh.size() > 1:
+        fully_shard(root, mesh=mesh, ignored_params=set(ignored.parameters()) if ignored is not None else None)

@@ -34,7 +34,7 @@ from server.training.lora import (AdapterStack, LoraAdapter, LoraTarget, apply_l
                                   use_adapter, use_adapter_rows)
 from server.training.losses import DatumLoss, MicrobatchLoss, combine_metrics, resolve_loss
 from server.training.operations import ForwardBackward
-from server.training.parallel import TrainingGroup, apply_fsdp
+from server.training.parallel import TrainingGroup, prepare_blocks
 from server.wire.types import AdamParams, LoraConfig
 
 logger = logging.getLogger(__name__)
@@ -118,9 +118,9 @@ class Trainer:
         refused = base.vision.reserved_token_ids if base.vision is not None else frozenset()
         self.forward_model = TargetLogprobs(base.model, config.logprob_chunk_size, config.compile, refused)
         tower = base.family.vision.tower_module if base.family.vision is not None else None
-        apply_fsdp(self.forward_model, base.model.get_submodule(base.family.language_model_prefix.rstrip(".")),
-                   base.model.get_submodule(tower) if tower else None, group.mesh, config.activation_checkpointing,
-                   config.compile)
+        prepare_blocks(self.forward_model, base.model.get_submodule(base.family.language_model_prefix.rstrip(".")),
+                       base.model.get_submodule(tower) if tower else None, group.mesh,
+                       config.activation_checkpointing, config.compile)
         self.models: dict[str, TrainableModel] = {}
 
     def _lead(self, method: str, *args) -> None:

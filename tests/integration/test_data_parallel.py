@@ -1,5 +1,5 @@
 """Data-parallel training (`--gpus 2`, here two CPU processes over gloo) gives the same losses, logprobs
-and adapter as one training process: the FSDP2 path is the same code at every world size."""
+and adapter as one training process (unsharded), so sharding the frozen base with FSDP2 changes nothing."""
 
 import numpy as np
 import pytest
