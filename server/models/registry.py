@@ -16,6 +16,7 @@ from server.models.positions import Segment, mrope_position_ids
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+SHARED_INPUT_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class ModelFamily:
     """Module path prefix of the decoder layers; LoRA never touches modules outside it (vision tower)."""
     attention_modules: tuple[str, ...] = ATTENTION_PROJECTIONS
     mlp_modules: tuple[str, ...] = MLP_PROJECTIONS
+    shared_input_modules: tuple[tuple[str, ...], ...] = SHARED_INPUT_PROJECTIONS
+    """Projections of a decoder block that read the same input: LoRA multiplies it by their A's at once."""
     unembed_module: str = "lm_head"
     vision: VisionSpec | None = None
     """None for text-only families."""

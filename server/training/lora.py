@@ -17,6 +17,9 @@ delta is computed in the activations' dtype (bf16 on GPUs), with fp32 master wei
 Shapes: lora_A is [rank, in_features], lora_B is [out_features, rank]. In an AdapterStack, J = the
 ranks of the adapters that adapt a layer, summed; B = rows of the batch, N = positions.
 
+The layers of a block that read the same input (q, k and v; gate and up) get their rank-wide
+intermediates from one product with it (`SharedInput`): the input is read once, not once per layer.
+
 A stack costs a few operations per layer, not a few per adapter and layer: in eager mode on a GPU
 every operation is a launch (and a node of the backward), and a pass over 8 runs of a 36-layer
 model would otherwise spend more time launching the stack than computing it.
@@ -70,21 +73,25 @@ class LoraLinear(nn.Module):
         self.grouped_A: torch.Tensor | None = None
         self.grouped_B: torch.Tensor | None = None
         self.row_scale_BJ: torch.Tensor | None = None
+        # The layers of its block that read the same input (q, k, v; gate, up), and its place among them:
+        # the same in every block, so that every block runs the same compiled code.
+        self.siblings: SharedInput | None = None
+        self.sibling_index = 0
+
+    @property
+    def adapted(self) -> bool:
+        return self.lora_A is not None or self.grouped_A is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        # The rank-wide intermediate is scaled, not the output. The delta is added as a plain sum, not
-        # by addmm: addmm first copies y into its output, and compiled, the sum fuses into whatever
-        # reads the output next (a norm, the gating, the residual add), so the delta costs one write
-        # and one read of the output's width.
-        if self.grouped_A is not None:
-            rows = self.row_scale_BJ.shape[0]
-            mid = (x.reshape(rows, -1, x.shape[-1]) @ self.grouped_A.T) * self.row_scale_BJ[:, None, :]
-            return y + (mid @ self.grouped_B.T).view_as(y)
-        if self.lora_A is None:
+        if not self.adapted:
             return y
-        lora_A, lora_B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        return y + ((x @ lora_A.T) * self.scale) @ lora_B.T
+        mid = self.siblings.intermediate(self, x) if self.siblings is not None else intermediates([self], x)[0]
+        lora_B = self.grouped_B if self.grouped_A is not None else self.lora_B.to(x.dtype)
+        # A plain sum, not addmm: addmm first copies y into its output, and compiled, the sum fuses into
+        # whatever reads the output next (a norm, the gating, the residual add), so the delta costs one
+        # write and one read of the output's width.
+        return y + (mid @ lora_B.T).view_as(y)
 
     def active_delta(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """What the layer adds in the current setting, for callers that apply it themselves (the fused
@@ -95,6 +102,51 @@ class LoraLinear(nn.Module):
         if self.lora_A is None:
             return None
         return (self.lora_A * self.scale).to(dtype), self.lora_B.to(dtype), None
+
+
+def intermediates(layers: list[LoraLinear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The scaled rank-wide intermediates [..., J] of adapted layers that read the same input `x`, from
+    one product with it (the scale is applied to the rank-wide intermediate, never to the output)."""
+    if layers[0].grouped_A is not None:
+        rows = layers[0].row_scale_BJ.shape[0]
+        lora_A = torch.cat([layer.grouped_A for layer in layers])
+        scale_BJ = torch.cat([layer.row_scale_BJ for layer in layers], dim=1)
+        mid = (x.reshape(rows, -1, x.shape[-1]) @ lora_A.T) * scale_BJ[:, None, :]
+    else:
+        mid = x @ torch.cat([layer.lora_A * layer.scale for layer in layers]).to(x.dtype).T
+    return mid.split([(layer.grouped_A if layer.grouped_A is not None else layer.lora_A).shape[0]
+                      for layer in layers], dim=-1)
+
+
+class SharedInput:
+    """LoRA layers of one block that read the same input (q, k and v; gate and up).
+
+    The first of them called with an input computes the intermediates of all of them in one product;
+    the others, called next with the same tensor, take theirs. The input is read once instead of once
+    per layer, in forward and (one product, one gradient) in backward. Anything else (another input,
+    a layer called twice) computes afresh, so the order of the calls does not matter.
+    """
+
+    def __init__(self, layers: list[LoraLinear]):
+        self.layers = layers
+        self._input: torch.Tensor | None = None
+        self._waiting: list[torch.Tensor | None] = [None] * len(layers)
+
+    def intermediate(self, layer: LoraLinear, x: torch.Tensor) -> torch.Tensor:
+        index = layer.sibling_index
+        if x is self._input and self._waiting[index] is not None:
+            mid, self._waiting[index] = self._waiting[index], None
+            if all(waiting is None for waiting in self._waiting):
+                self._input = None  # nothing of the input is kept past its last reader
+            return mid
+        adapted = [i for i, other in enumerate(self.layers) if other.adapted]
+        mids = intermediates([self.layers[i] for i in adapted], x)
+        self._waiting = [None] * len(self.layers)
+        for i, mid in zip(adapted, mids):
+            if i != index:
+                self._waiting[i] = mid
+        self._input = x if len(adapted) > 1 else None
+        return mids[adapted.index(index)]
 
 
 class LoraAdapter:
@@ -234,7 +286,8 @@ def _clear(slot: AdapterSlot) -> None:
 
 
 def apply_lora_wrappers(model: nn.Module, family: ModelFamily) -> tuple[list[LoraTarget], AdapterSlot]:
-    """Wrap every linear layer LoRA may target (decoder attention/MLP and the unembedding).
+    """Wrap every linear layer LoRA may target (decoder attention/MLP and the unembedding), and join
+    the wrappers of each block that read the same input (`family.shared_input_modules`).
 
     Returns the targets and the slot through which callers choose the adapter these layers add.
     """
@@ -256,6 +309,16 @@ def apply_lora_wrappers(model: nn.Module, family: ModelFamily) -> tuple[list[Lor
         setattr(parent, leaf, wrapper)
         slot.layers.append(wrapper)
         targets.append(LoraTarget(name, kind, module.in_features, module.out_features))
+    by_name = {layer.name: layer for layer in slot.layers}
+    for layer in slot.layers:
+        parent, _, leaf = layer.name.rpartition(".")
+        for group in family.shared_input_modules:
+            if leaf != group[0] or not all(f"{parent}.{member}" in by_name for member in group):
+                continue
+            members = [by_name[f"{parent}.{member}"] for member in group]
+            shared = SharedInput(members)
+            for index, member in enumerate(members):
+                member.siblings, member.sibling_index = shared, index
     return targets, slot
 
 

@@ -1,16 +1,18 @@
 """One adapter per row (use_adapter_rows): equal to each row run with its own adapter, forward and
 backward, for adapters of different ranks and targets and base-model rows; nothing outlives the block.
+Layers that read the same input (q, k, v; gate, up) share one product with it, in any call order.
 
 Shapes: B = rows, T = positions, V = vocabulary.
 """
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from server.config import ModelConfig
 from server.models.loading import load_base_model
-from server.training.lora import (AdapterStack, LoraAdapter, apply_lora_wrappers, select_targets, use_adapter,
-                                  use_adapter_rows)
+from server.training.lora import (AdapterStack, LoraAdapter, SharedInput, apply_lora_wrappers, select_targets,
+                                  use_adapter, use_adapter_rows)
 
 BASE_MODEL = "builtin:tiny-qwen3"
 
@@ -36,6 +38,12 @@ def logits_BTV(model, input_ids_BT: torch.Tensor) -> torch.Tensor:
     return model(input_ids=input_ids_BT).logits.float()
 
 
+def trainable_copy(adapter: LoraAdapter) -> LoraAdapter:
+    return LoraAdapter(adapter.rank, adapter.alpha,
+                       {k: v.detach().clone().requires_grad_() for k, v in adapter.lora_A.items()},
+                       {k: v.detach().clone().requires_grad_() for k, v in adapter.lora_B.items()})
+
+
 def test_each_row_gets_exactly_its_own_adapter(model_and_adapters):
     model, slot, (first, second) = model_and_adapters
     input_ids_BT = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16], [5, 6, 7, 8]])
@@ -53,8 +61,7 @@ def test_each_row_gets_exactly_its_own_adapter(model_and_adapters):
 
 def test_gradients_land_in_each_adapters_own_tensors(model_and_adapters):
     model, slot, adapters = model_and_adapters
-    trainable = [LoraAdapter(a.rank, a.alpha, {k: v.detach().clone().requires_grad_() for k, v in a.lora_A.items()},
-                             {k: v.detach().clone().requires_grad_() for k, v in a.lora_B.items()}) for a in adapters]
+    trainable = [trainable_copy(adapter) for adapter in adapters]
     input_ids_BT = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
     weights_BTV = torch.randn(3, 4, model.config.vocab_size, generator=torch.Generator().manual_seed(0))
     stack = AdapterStack(slot, [trainable[0], trainable[1], None], torch.float32)
@@ -83,3 +90,79 @@ def test_nothing_one_forward_sets_outlives_its_block(model_and_adapters):
             logits_BTV(model, input_ids_BT)
         assert torch.equal(logits_BTV(model, input_ids_BT), plain)
     assert all(layer.lora_A is None and layer.grouped_A is None and layer.row_scale_BJ is None for layer in slot.layers)
+
+
+class CountProducts(TorchDispatchMode):
+    """Counts the matrix products run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.products = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.products += func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def without_shared_inputs(slot):
+    """The slot's layers with no siblings (each multiplies its input by its own A), restored on exit."""
+    class Unshared:
+        def __enter__(self):
+            self.saved = [layer.siblings for layer in slot.layers]
+            for layer in slot.layers:
+                layer.siblings = None
+
+        def __exit__(self, *exc):
+            for layer, siblings in zip(slot.layers, self.saved):
+                layer.siblings = siblings
+    return Unshared()
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_layers_reading_the_same_input_share_one_product_and_keep_nothing(model_and_adapters, per_row):
+    model, slot, (first, _) = model_and_adapters
+    shared = {id(layer.siblings): layer.siblings for layer in slot.layers if layer.siblings is not None}
+    assert sorted(len(group.layers) for group in shared.values()) == [2, 2, 3, 3]  # 2 blocks: q/k/v, gate/up
+    input_ids_BT = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    weights_BTV = torch.randn(2, 4, model.config.vocab_size, generator=torch.Generator().manual_seed(1))
+    adapted = trainable_copy(first)
+
+    def run():
+        context = (use_adapter_rows(slot, AdapterStack(slot, [adapted], torch.float32), torch.tensor([0, 0]))
+                   if per_row else use_adapter(slot, adapted))
+        for tensor in adapted.parameters():
+            tensor.grad = None
+        counter = CountProducts()
+        with context, counter:
+            logits = logits_BTV(model, input_ids_BT)
+        (logits.log_softmax(-1) * weights_BTV).sum().backward()
+        return logits.detach(), [t.grad.clone() for t in adapted.parameters()], counter.products
+
+    logits, grads, products = run()
+    assert all(group._input is None and not any(m is not None for m in group._waiting) for group in shared.values())
+    with without_shared_inputs(slot):
+        alone_logits, alone_grads, alone_products = run()
+    # Per block, q/k/v's three A products become one and gate/up's two become one.
+    blocks = len(shared) // 2
+    assert alone_products - products == 3 * blocks
+    torch.testing.assert_close(logits, alone_logits, atol=1e-5, rtol=0)
+    for got, expected in zip(grads, alone_grads):
+        torch.testing.assert_close(got, expected, atol=1e-5 * float(expected.abs().max()), rtol=1e-4)
+
+
+def test_siblings_called_in_any_order_or_with_other_inputs_get_their_own_delta(model_and_adapters):
+    model, slot, (first, _) = model_and_adapters
+    attention = model.get_submodule("model.layers.0.self_attn")
+    x = torch.randn(1, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    other = torch.randn(1, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    layers = [attention.q_proj, attention.k_proj, attention.v_proj]
+    assert all(isinstance(layer.siblings, SharedInput) for layer in layers)
+    with torch.no_grad(), use_adapter(slot, first):
+        with without_shared_inputs(slot):
+            expected = [layer(x) for layer in layers]
+            expected_other = attention.k_proj(other)
+        # v first; then k with another input (it computes afresh); then q and k with the first input again.
+        got_v, got_k_other, got_q, got_k = layers[2](x), layers[1](other), layers[0](x), layers[1](x)
+    for got, want in zip([got_q, got_k, got_v], expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_k_other, expected_other, atol=1e-6, rtol=0)

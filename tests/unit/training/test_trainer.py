@@ -375,8 +375,11 @@ def test_gspo_gradients_are_the_same_in_one_call_in_two_calls_and_in_tiny_micro_
     assert first.metrics["loss:sum"] + second.metrics["loss:sum"] == pytest.approx(single.metrics["loss:sum"],
                                                                                    abs=1e-4)
     assert chunked.metrics["loss:sum"] == pytest.approx(single.metrics["loss:sum"], abs=1e-4)
-    assert_all_close(gradients(trainer, split_id), gradients(trainer, single_id), rtol=1e-4, atol=1e-5)
-    assert_all_close(gradients(chunked_trainer, chunked_id), gradients(trainer, single_id), rtol=1e-4, atol=1e-5)
+    expected = gradients(trainer, single_id)
+    # fp32 sums over other batch shapes round differently: relative to the gradients' own scale (about 40).
+    atol = 2e-6 * max(float(g.abs().max()) for g in expected)
+    assert_all_close(gradients(trainer, split_id), expected, rtol=1e-4, atol=atol)
+    assert_all_close(gradients(chunked_trainer, chunked_id), expected, rtol=1e-4, atol=atol)
 
 
 def test_stable_reinforce_gradients_match_a_plain_torch_reference_with_the_recorded_logprobs(trainer, reference):
