@@ -109,13 +109,18 @@ def intermediates(layers: list[LoraLinear], x: torch.Tensor) -> tuple[torch.Tens
     one product with it (the scale is applied to the rank-wide intermediate, never to the output)."""
     if layers[0].grouped_A is not None:
         rows = layers[0].row_scale_BJ.shape[0]
-        lora_A = torch.cat([layer.grouped_A for layer in layers])
-        scale_BJ = torch.cat([layer.row_scale_BJ for layer in layers], dim=1)
+        lora_A = _joined([layer.grouped_A for layer in layers])
+        scale_BJ = _joined([layer.row_scale_BJ for layer in layers], dim=1)
         mid = (x.reshape(rows, -1, x.shape[-1]) @ lora_A.T) * scale_BJ[:, None, :]
     else:
-        mid = x @ torch.cat([layer.lora_A * layer.scale for layer in layers]).to(x.dtype).T
+        mid = x @ _joined([layer.lora_A * layer.scale for layer in layers]).to(x.dtype).T
     return mid.split([(layer.grouped_A if layer.grouped_A is not None else layer.lora_A).shape[0]
                       for layer in layers], dim=-1)
+
+
+def _joined(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """The tensors side by side; one alone as it is (no copy: in eager mode every copy is a launch)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
 
 
 class SharedInput:
@@ -129,8 +134,12 @@ class SharedInput:
 
     def __init__(self, layers: list[LoraLinear]):
         self.layers = layers
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop what a forward left for layers not called yet (one that stopped half-way, say)."""
         self._input: torch.Tensor | None = None
-        self._waiting: list[torch.Tensor | None] = [None] * len(layers)
+        self._waiting: list[torch.Tensor | None] = [None] * len(self.layers)
 
     def intermediate(self, layer: LoraLinear, x: torch.Tensor) -> torch.Tensor:
         index = layer.sibling_index
@@ -283,6 +292,8 @@ def _clear(slot: AdapterSlot) -> None:
     for layer in slot.layers:
         layer.lora_A = layer.lora_B = layer.grouped_A = layer.grouped_B = layer.row_scale_BJ = None
         layer.scale = 1.0
+        if layer.siblings is not None:
+            layer.siblings.clear()
 
 
 def apply_lora_wrappers(model: nn.Module, family: ModelFamily) -> tuple[list[LoraTarget], AdapterSlot]:

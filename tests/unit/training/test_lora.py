@@ -92,6 +92,17 @@ def test_nothing_one_forward_sets_outlives_its_block(model_and_adapters):
     assert all(layer.lora_A is None and layer.grouped_A is None and layer.row_scale_BJ is None for layer in slot.layers)
 
 
+def test_a_forward_stopped_half_way_leaves_nothing_for_the_next(model_and_adapters):
+    model, slot, (first, _) = model_and_adapters
+    attention = model.get_submodule("model.layers.0.self_attn")
+    x = torch.randn(1, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), use_adapter(slot, first):
+        attention.q_proj(x)  # k and v never called: their intermediates wait
+        assert attention.q_proj.siblings._input is x
+    assert attention.q_proj.siblings._input is None
+    assert all(waiting is None for waiting in attention.q_proj.siblings._waiting)
+
+
 class CountProducts(TorchDispatchMode):
     """Counts the matrix products run inside it."""
 
