@@ -1,6 +1,7 @@
-"""Resident memory of other processes, read from /proc (Linux)."""
+"""Resident memory of other processes, read from /proc (Linux), and the peak of what a run holds."""
 
 import os
+import threading
 
 
 def rss_mib(pids: list[int]) -> float:
@@ -44,3 +45,32 @@ def process_tree(pid: int) -> list[int]:
         tree.append(current)
         todo += children.get(current, [])
     return tree
+
+
+class PeakMemory:
+    """Memory in use, sampled every 200 ms: the GPU's (every process) or the RSS of some process trees."""
+
+    def __init__(self, device: str, pids=lambda: []):
+        self.device, self.pids, self.peak = device, pids, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def read(self) -> float:
+        if self.device.startswith("cuda"):
+            import torch
+
+            free, total = torch.cuda.mem_get_info(0)
+            return (total - free) / 2**30
+        return rss_mib(self.pids()) / 1024
+
+    def _run(self):
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, self.read())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()

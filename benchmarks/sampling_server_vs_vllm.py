@@ -37,7 +37,7 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.process_memory import process_tree, rss_mib  # noqa: E402
+from benchmarks.process_memory import PeakMemory, process_tree  # noqa: E402
 from benchmarks.train_throughput import SHAPES, smooth_image, write_model  # noqa: E402
 from server.config import parse_config  # noqa: E402
 from server.models.image_processor import ImageProcessorSpec  # noqa: E402
@@ -106,35 +106,6 @@ def requests_of_round(args, prompts: list[dict], round_index: int, workload: str
              "max_tokens": 1 if scoring else args.max_tokens, "prompt_logprobs": scoring,
              "seed": 1000 * round_index + 10 * run + index}
             for run in range(args.runs) for index, prompt in enumerate(prompts)]
-
-
-class PeakMemory:
-    """Memory in use, sampled every 200 ms: the GPU's (every process) or the RSS of some process trees."""
-
-    def __init__(self, device: str, pids=lambda: []):
-        self.device, self.pids, self.peak = device, pids, 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def read(self) -> float:
-        if self.device.startswith("cuda"):
-            import torch
-
-            free, total = torch.cuda.mem_get_info(0)
-            return (total - free) / 2**30
-        return rss_mib(self.pids()) / 1024
-
-    def _run(self):
-        while not self._stop.wait(0.2):
-            self.peak = max(self.peak, self.read())
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
 
 
 def run_server(args, model_dir: Path, server_flags: list[str], prompts: list[dict]) -> tuple[dict, list[str]]:

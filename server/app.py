@@ -32,8 +32,9 @@ from server.rendering.chunks import RenderContext
 from server.rendering.images import ImagePreparer
 from server.rendering.sampling import VLLMRenderer
 from server.sampling.engine import build_sampling_engine
+from server.scheduler.sampling import SamplingFutures
 from server.scheduler.scheduler import Scheduler
-from server.store.api_keys import BOOTSTRAP_TENANT, issue_api_key
+from server.store.api_keys import BOOTSTRAP_TENANT, KnownKeys, issue_api_key
 from server.store.checkpoints import sweep_unlisted_versions
 from server.store.db import storage_failure
 from server.store.exports import Signer
@@ -83,14 +84,15 @@ def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
     render_context = RenderContext.build(base, config.limits.max_sequence_length, images)
     sampler, adapters = build_sampling_engine(config.sampler, config.model, config.images.feature_cache_bytes, base,
                                               config.data_dir)
-    scheduler = Scheduler(store, TrainingExecutor(trainer), sampling_workers=sampler.max_concurrent_requests,
-                          pass_tokens=trainer_config.max_tokens_per_pass,
+    scheduler = Scheduler(store, TrainingExecutor(trainer), pass_tokens=trainer_config.max_tokens_per_pass,
                           pass_runs=trainer_config.max_runs_per_pass,
                           seq_gap_timeout=config.limits.seq_gap_timeout_seconds, metrics=metrics,
                           hidden_paths=(str(config.data_dir),))
-    return Services(config=config, store=store, scheduler=scheduler, base=base, trainer=trainer,
+    sampling = SamplingFutures(sampler, metrics, hidden_paths=(str(config.data_dir),))
+    return Services(config=config, store=store, scheduler=scheduler, sampling=sampling, base=base, trainer=trainer,
                     training_ranks=training_ranks, sampler=sampler, adapters=adapters, render_context=render_context,
-                    sampling_renderer=VLLMRenderer(render_context), metrics=metrics, ownership=ownership,
+                    sampling_renderer=VLLMRenderer(render_context), metrics=metrics, keys=KnownKeys(store),
+                    ownership=ownership,
                     checkpoint_pins=CheckpointPins(), signer=Signer.from_data_dir(config.data_dir))
 
 
@@ -189,6 +191,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             for task in housekeeping:
                 task.cancel()
             report = services.scheduler.close(config.shutdown_timeout_seconds)
+            sampled, unsampled = services.sampling.close(config.shutdown_timeout_seconds)
             app.state.abandoned_threads = report.interrupted > 0
             services.sampler.close()
             if not report.interrupted:  # the training thread is free to tell the other ranks to stop
@@ -198,15 +201,22 @@ def create_app(config: ServerConfig) -> FastAPI:
             services.ownership.release()
             services.store.close()
             logger.info("event=shutdown finished_running=%d failed_queued=%d failed_running=%d seconds=%.1f",
-                        report.finished, report.cancelled, report.interrupted, time.perf_counter() - started)
+                        report.finished + sampled, report.cancelled, report.interrupted + unsampled,
+                        time.perf_counter() - started)
 
+    # The server's own Prometheus metrics (RequestMetrics) count requests; FastAPI's OpenTelemetry hooks
+    # would only add work to each request.
     app = FastAPI(title="Tinker-compatible training service", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, telemetry={"tracing": False, "metrics": False, "logs": False})
     app.add_middleware(RequestMetrics, metrics=metrics)
+    # First, where the router looks first: the two routes every sample request takes (they authenticate
+    # themselves).
+    app.include_router(sampling.hot_router)
+    app.include_router(futures.hot_router)
     app.include_router(operations.public_router)
     app.include_router(checkpoints.public_router)
     app.include_router(dashboard.public_router)
-    for module in (sessions, models, training, weights, sampling, futures, rest, checkpoints, operations, dashboard):
+    for module in (sessions, models, training, weights, sampling, rest, checkpoints, operations, dashboard):
         app.include_router(module.router, dependencies=[Depends(authenticate)])
 
     def respond(request: Request, error: TinkerServerError) -> JSONResponse:

@@ -56,6 +56,12 @@ class Gone(TinkerServerError):
     category = "user"
 
 
+class Overloaded(TinkerServerError):
+    """Too much work is in flight: the SDK waits and sends the same request again (429 is its backpressure)."""
+
+    status_code = 429
+
+
 class PayloadTooLarge(InvalidRequest):
     """A body, image or sequence is over a configured limit."""
 

@@ -31,8 +31,9 @@ from server.rendering.sampling import VLLMRenderer
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.engine import SamplingEngine, checkpoint_adapter_name
 from server.sampling.types import SampledSequence
+from server.scheduler.sampling import SamplingFutures
 from server.scheduler.scheduler import Respond, Scheduler
-from server.store.api_keys import BOOTSTRAP_TENANT, hash_api_key
+from server.store.api_keys import BOOTSTRAP_TENANT, KnownKeys, hash_api_key
 from server.store.checkpoints import parse_tinker_path
 from server.store.exports import Signer
 from server.store.ownership import Ownership
@@ -56,6 +57,9 @@ class Services:
     config: ServerConfig
     store: Store
     scheduler: Scheduler
+    """Training-side requests: journaled futures in each run's seq_id order."""
+    sampling: SamplingFutures
+    """Sampling requests: futures in memory, fed to `sampler`."""
     base: LoadedModel
     trainer: Trainer
     training_ranks: list[multiprocessing.Process]
@@ -69,12 +73,20 @@ class Services:
     signer: Signer
     """Signs download URLs and weights access tokens."""
     metrics: ServerMetrics
+    keys: KnownKeys
+    """API keys found valid lately (each request's key is checked against it before the journal)."""
     ownership: Ownership
     """This server's hold on its data directory and database, released at shutdown."""
 
 
-def get_services(request: Request) -> Services:
+def services_of(request: Request) -> Services:
     return request.app.state.services
+
+
+# The dependencies are `async def` although they never wait: FastAPI runs a plain `def` dependency on a
+# worker thread, a thread hop per dependency per request.
+async def get_services(request: Request) -> Services:
+    return services_of(request)
 
 
 @dataclass(frozen=True)
@@ -93,17 +105,24 @@ MAX_API_KEY_LENGTH = 512
 
 async def authenticate(request: Request, x_api_key: Annotated[str | None, Depends(API_KEY_HEADER)]) -> Tenant:
     """The caller's tenant from its API key (X-API-Key, or `Authorization: Bearer` for scrapers); 401 otherwise."""
-    services = get_services(request)
+    return await tenant_of(request)
+
+
+async def tenant_of(request: Request) -> Tenant:
+    """What `authenticate` does, for the routes of the sampling hot path, which call it themselves (resolving
+    FastAPI dependencies cost them more than their own work)."""
+    services = services_of(request)
     if services.config.auth == "none":
         tenant = Tenant(BOOTSTRAP_TENANT, admin=True)
     else:
-        key = x_api_key or _bearer_token(request.headers.get("authorization"))
+        key = request.headers.get("x-api-key") or _bearer_token(request.headers.get("authorization"))
         if not key:
             raise Unauthorized("missing X-API-Key header (an operator issues keys with "
                                "`python -m server keys create --tenant NAME`)")
         record = None
         if len(key) <= MAX_API_KEY_LENGTH:
-            record = await asyncio.to_thread(services.store.find_api_key, hash_api_key(key))
+            key_hash = hash_api_key(key)
+            record = services.keys.known(key_hash) or await asyncio.to_thread(services.keys.find, key_hash)
         if record is None:
             raise Unauthorized("unknown or revoked API key")
         tenant = Tenant(record.tenant, record.admin)
@@ -119,12 +138,12 @@ def _bearer_token(authorization: str | None) -> str | None:
 TenantDep = Annotated[Tenant, Depends(authenticate)]
 
 
-def get_owner(tenant: TenantDep) -> str:
+async def get_owner(tenant: TenantDep) -> str:
     """The name of the caller's tenant, which owns what the caller creates."""
     return tenant.name
 
 
-def require_admin(tenant: TenantDep) -> Tenant:
+async def require_admin(tenant: TenantDep) -> Tenant:
     if not tenant.admin:
         raise Forbidden("this needs an admin key (`python -m server keys create --tenant NAME --admin`)")
     return tenant
@@ -297,7 +316,7 @@ async def journal_refusal(request: Request, error: TinkerServerError) -> None:
     tenant, body = getattr(request.state, "tenant", None), getattr(request.state, "body", None)
     if request_type is None or tenant is None or body is None or isinstance(error, Conflict):
         return
-    services = get_services(request)
+    services = services_of(request)
     if request_type == "ForwardBackward":
         slot = read_forward_backward_slot(body, request.headers.get("content-encoding"))
         if slot is not None and slot[2]:

@@ -1,6 +1,8 @@
 """Sampling: create_sampling_session, GET samplers/{id}, asample (which also serves compute_logprobs)."""
 
 import asyncio
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,18 +17,20 @@ from server.api.deps import (
     check_sampled_tokens,
     checkpoint_of,
     ensure_sampling_session,
-    new_request_id,
     payload_hash,
     read_body,
     record_sampled_sequences,
     sampler_of,
+    services_of,
     session_of,
+    tenant_of,
 )
 from server.errors import InvalidRequest, PayloadTooLarge
 from server.rendering.chunks import RenderedInput
 from server.sampling.engine import checkpoint_adapter_name
-from server.sampling.types import AdapterRef, LogprobOptions, PromptTargets, SamplingOptions, SamplingRequest
-from server.store.store import SamplingSessionRecord
+from server.sampling.types import AdapterRef, LogprobOptions, PromptTargets, SampleOutput, SamplingOptions, \
+    SamplingRequest
+from server.store.store import CheckpointRecord, SamplingSessionRecord
 from server.wire.proto import SampledSequenceOut, encode_sample_response
 from server.wire.types import (
     CreateSamplingSessionRequest,
@@ -38,6 +42,8 @@ from server.wire.types import (
 )
 
 router = APIRouter(prefix="/api/v1")
+# asample authenticates itself (see tenant_of): it is half of every sample request's HTTP calls.
+hot_router = APIRouter(prefix="/api/v1")
 
 MAX_NUM_SAMPLES = 256
 
@@ -64,22 +70,31 @@ async def get_sampler(sampling_session_id: str, services: ServicesDep, owner: Ow
                               model_path=record.model_path)
 
 
-def pin_adapter(services: Services, record: SamplingSessionRecord | None, model_path: str | None,
-                owner: str) -> AdapterRef | None:
-    """The adapter a request samples with, fixed when the request is accepted (None: the base model).
+async def pin_adapter(services: Services, record: SamplingSessionRecord | None, model_path: str | None,
+                      owner: str) -> tuple[AdapterRef | None, Callable[[], None] | None]:
+    """The adapter a request samples with, fixed when the request is accepted (None: the base model), and
+    what lets go of it once the request is over.
 
-    Pinned here, so that a save_weights_for_sampler issued after this request never changes it.
+    Pinned here, so that a save_weights_for_sampler issued after this request never changes it, and a
+    saved checkpoint stays on disk (never swept as expired) while the request runs.
     """
     if record is not None and record.source_model_id is not None:
         # An inflight session gets its run's newest inflight weights, as they are now.
         snapshot = services.adapters.ephemeral(record.sampling_session_id)
-        return AdapterRef(name=snapshot.name, directory=snapshot.directory, weights=snapshot.adapter)
+        return AdapterRef(name=snapshot.name, directory=snapshot.directory, weights=snapshot.adapter), None
     path = record.model_path if record is not None else model_path
     if path is None:
-        return None
-    checkpoint = checkpoint_of(services, path, owner)
-    return AdapterRef(name=checkpoint_adapter_name(checkpoint.tinker_path, checkpoint.created_at),
-                      directory=Path(checkpoint.directory))
+        return None, None
+
+    def hold() -> CheckpointRecord:
+        checkpoint = checkpoint_of(services, path, owner)
+        services.checkpoint_pins.acquire(checkpoint.tinker_path)
+        return checkpoint
+
+    checkpoint = await asyncio.to_thread(hold)
+    adapter = AdapterRef(name=checkpoint_adapter_name(checkpoint.tinker_path, checkpoint.created_at),
+                         directory=Path(checkpoint.directory))
+    return adapter, lambda: services.checkpoint_pins.release(checkpoint.tinker_path)
 
 
 def sampling_options(services: Services, request: SampleRequest, prompt: RenderedInput) -> SamplingOptions:
@@ -126,9 +141,12 @@ def prompt_targets(services: Services, ids: TensorData, prompt: RenderedInput) -
     return PromptTargets(positions=rows[asked] + 1, token_ids=token_ids[asked]), asked
 
 
-@router.post("/asample")
-async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
+@hot_router.post("/asample", openapi_extra={"requestBody": {"required": True, "content": {
+    "application/json": {"schema": SampleRequest.model_json_schema()}}}})
+async def asample(request: Request) -> UntypedAPIFuture:
     """Sample completions (and prompt logprobs) for one prompt."""
+    owner = (await tenant_of(request)).name
+    services = services_of(request)
     body = await read_body(request, services.config.limits.max_request_bytes)
     sample = SampleRequest.model_validate_json(body)
     record = None
@@ -136,12 +154,14 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
         record = sampler_of(services, sample.sampling_session_id, owner)
     else:
         check_base_model(services, sample.base_model)
-    adapter = await asyncio.to_thread(pin_adapter, services, record, sample.model_path, owner)
     if sample.num_samples > MAX_NUM_SAMPLES:
         raise InvalidRequest(f"num_samples {sample.num_samples} is over the limit of {MAX_NUM_SAMPLES}")
     if sample.record_stability_info and record is None:
         raise InvalidRequest("record_stability_info needs a sampling session: recorded sequences belong to its session")
-    prompt = await asyncio.to_thread(services.sampling_renderer.render, sample.prompt)
+    if all(chunk.type == "encoded_text" for chunk in sample.prompt.chunks):
+        prompt = services.sampling_renderer.render(sample.prompt)  # token ids only: cheap
+    else:  # images are decoded (or found in the cache by their hash) on a worker thread
+        prompt = await asyncio.to_thread(services.sampling_renderer.render, sample.prompt)
     targets = asked = None
     if sample.target_prompt_logprobs is not None:
         targets, asked = prompt_targets(services, sample.target_prompt_logprobs, prompt)
@@ -149,17 +169,18 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
                               topk_prompt_logprobs=sample.topk_prompt_logprobs,
                               topk_sample_logprobs=sample.topk_sample_logprobs, target_prompt_logprobs=targets,
                               prompt_alt_tokens_k=sample.prompt_alt_tokens_k)
-    sampling = SamplingRequest(prompt=prompt, options=sampling_options(services, sample, prompt), adapter=adapter,
-                               num_samples=sample.num_samples, logprobs=logprobs)
-    check_sampled_tokens(services, sample.num_samples, sampling.options.max_tokens)
+    options = sampling_options(services, sample, prompt)
+    check_sampled_tokens(services, sample.num_samples, options.max_tokens)
+    adapter, release = await pin_adapter(services, record, sample.model_path, owner)
+    sampling = SamplingRequest(prompt=prompt, options=options, adapter=adapter, num_samples=sample.num_samples,
+                               logprobs=logprobs)
     sampler_id = sample.sampling_session_id or f"direct:{owner}"
     seq_id = sample.seq_id
-    request_id = new_request_id()
-    sequence_ids = [f"{sampler_id}:seq:{request_id if seq_id is None else seq_id}:{i}"
-                    for i in range(sample.num_samples)]
+    # Without a seq_id (plain REST callers) the ids are numbered by the request itself.
+    numbered = uuid.uuid4().hex if seq_id is None else seq_id
+    sequence_ids = [f"{sampler_id}:seq:{numbered}:{i}" for i in range(sample.num_samples)]
 
-    def work():
-        output = services.sampler.sample(sampling)
+    def respond(output: SampleOutput) -> tuple[bytes, str]:
         prompt_logprobs, topk = output.prompt_logprobs, output.topk_prompt_logprobs
         if sample.prompt_logprobs_last_n is not None:
             # Positions before the last n are reported as "no value" (NaN on the wire).
@@ -183,8 +204,9 @@ async def asample(request: Request, services: ServicesDep, owner: OwnerDep) -> U
                                       target_prompt_logprobs=target_logprobs,
                                       prompt_alt_tokens=alt and (alt.tokens, alt.logprobs)), PROTOBUF
 
-    request_id = await services.scheduler.submit_sampling(
-        request_id=request_id, owner=owner, sampling_session_id=sampler_id, seq_id=seq_id,
-        payload_hash=payload_hash(body),
-        work=work)
+    # Recording writes to the journal, and prompt logprobs make large payloads: both off the event loop.
+    respond_in_thread = sample.record_stability_info or logprobs.scores_prompt or bool(logprobs.topk_sample_logprobs)
+    request_id = services.sampling.submit(owner=owner, sampling_session_id=sampler_id, seq_id=seq_id,
+                                          payload_hash=payload_hash(body), request=sampling, respond=respond,
+                                          respond_in_thread=respond_in_thread, release=release)
     return UntypedAPIFuture(request_id=request_id, sample_sequence_ids=sequence_ids)

@@ -103,13 +103,19 @@ class SamplerAdapters:
             if snapshot.directory is not None:
                 shutil.rmtree(snapshot.directory, ignore_errors=True)
 
-    def saved(self, directory: Path) -> LoraAdapter:
-        """The adapter of a saved checkpoint, loaded on first use and kept while recently used."""
+    def cached(self, directory: Path) -> LoraAdapter | None:
+        """The adapter of a saved checkpoint if it is loaded already (never reads the disk)."""
         with self._lock:
             adapter = self._saved.get(directory)
             if adapter is not None:
                 self._saved.move_to_end(directory)
-                return adapter
+            return adapter
+
+    def saved(self, directory: Path) -> LoraAdapter:
+        """The adapter of a saved checkpoint, loaded on first use and kept while recently used."""
+        adapter = self.cached(directory)
+        if adapter is not None:
+            return adapter
         if not directory.exists():
             raise NotFound(f"checkpoint files at {directory.name} are gone")
         adapter = load_checkpoint(directory, self.device, with_optimizer=False).adapter.frozen_copy()

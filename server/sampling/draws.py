@@ -1,15 +1,20 @@
-"""How the embedded sampling engine draws tokens: temperature, top-k and top-p, then an exponential race
-with one generator per sample; the k best alternatives; draws at prompt positions.
+"""How the embedded sampling engine draws tokens: each row's temperature, top-k and top-p, then one uniform
+number per row through the inverse of its distribution's CDF; the k best alternatives; draws at prompt
+positions.
 
-Pure functions of logits and generators: they know nothing of batches, requests' lifetimes or models.
+Every row of a decode step is drawn in one pass, whatever request it belongs to: the per-row settings
+are tensors, and each sample's uniform numbers come from a generator of its own (the engine keeps one
+per sample), so a sample's tokens depend only on its seed and step, never on its neighbours or on when
+it joined. Pure functions of logits and random numbers: they know nothing of batches, requests'
+lifetimes or models.
 
-Tensor shape suffixes: G  rows of one request   C  a chunk of prompt positions   V  vocabulary
+Tensor shape suffixes: R  rows drawn together   C  a chunk of prompt positions   V  vocabulary
 K  draws per row
 """
 
 import torch
 
-from server.sampling.types import SamplingOptions, TopkRows
+from server.sampling.types import TopkRows
 
 
 def seeded_generator(device: torch.device, seed: int | None) -> torch.Generator:
@@ -37,31 +42,41 @@ def draw(logprobs_CV: torch.Tensor, temperature: float, num_draws: int, generato
                              generator=generator)
 
 
-def sample_tokens(logits_GV: torch.Tensor, options: SamplingOptions,
-                   generators: list[torch.Generator]) -> torch.Tensor:
-    """Draw one token for each of a request's rows, each row with its sample's own generator."""
-    if options.temperature == 0:
-        return logits_GV.argmax(dim=-1)
-    probs_GV = filtered_probs(logits_GV, options)
-    # Exponential race (argmax of p / q, q ~ Exp(1)) draws from probs_GV, as vLLM does. Each row
-    # draws its noise from its own generator, so a sample's draws depend only on its seed and step,
-    # never on its siblings or on when it joined; the clamp keeps q = 0 from producing inf or nan.
-    noise_GV = torch.empty_like(probs_GV)
-    for noise_V, generator in zip(noise_GV, generators):
-        noise_V.exponential_(generator=generator)
-    return (probs_GV / noise_GV.clamp_min(torch.finfo(noise_GV.dtype).tiny)).argmax(dim=-1)
+def sample_tokens(logits_RV: torch.Tensor, temperature_R: torch.Tensor, top_k_R: torch.Tensor,
+                  top_p_R: torch.Tensor, uniform_R: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from its filtered distribution, at its uniform number (temperature 0: the argmax).
+
+    Args:
+        top_k_R: k of each row; 0 or -1 (or the vocabulary's size) keeps every token.
+        uniform_R: each row's number in [0, 1), from its sample's own stream.
+    """
+    greedy_R = temperature_R == 0
+    probs_RV = filtered_probs(logits_RV, torch.where(greedy_R, 1.0, temperature_R), top_k_R, top_p_R)
+    # Inverse CDF: the first token whose cumulative mass passes u * total. A token of probability 0 is
+    # never picked: the search point stays below the total and a flat step of the CDF is never the first
+    # index that passes it.
+    cdf_RV = probs_RV.cumsum(dim=-1)
+    total_R1 = cdf_RV[:, -1:]
+    point_R1 = torch.minimum(uniform_R.to(cdf_RV.dtype)[:, None] * total_R1,
+                             torch.nextafter(total_R1, torch.zeros_like(total_R1)))
+    tokens_R = torch.searchsorted(cdf_RV, point_R1, right=True)[:, 0]
+    return torch.where(greedy_R, logits_RV.argmax(dim=-1), tokens_R)
 
 
-def filtered_probs(logits_GV: torch.Tensor, options: SamplingOptions) -> torch.Tensor:
-    """Apply temperature, then top-k, then top-p, and return the sampling distribution."""
-    scaled_GV = logits_GV / options.temperature
-    if 0 < options.top_k < scaled_GV.shape[-1]:
-        kth_G1 = scaled_GV.topk(options.top_k, dim=-1).values[:, -1:]
-        scaled_GV = scaled_GV.masked_fill(scaled_GV < kth_G1, float("-inf"))
-    if options.top_p < 1:
-        sorted_GV, order_GV = scaled_GV.sort(dim=-1, descending=True)
-        sorted_probs_GV = sorted_GV.softmax(dim=-1)
+def filtered_probs(logits_RV: torch.Tensor, temperature_R: torch.Tensor, top_k_R: torch.Tensor,
+                   top_p_R: torch.Tensor) -> torch.Tensor:
+    """Apply each row's temperature, then its top-k, then its top-p, and return the sampling distributions."""
+    scaled_RV = logits_RV / temperature_R[:, None]
+    vocab = scaled_RV.shape[-1]
+    limited_R = (top_k_R > 0) & (top_k_R < vocab)
+    if limited_R.any():
+        widest = int(top_k_R[limited_R].max())
+        kth_R1 = scaled_RV.topk(widest, dim=-1).values.gather(-1, (top_k_R.clamp(1, widest) - 1)[:, None])
+        scaled_RV = scaled_RV.masked_fill(limited_R[:, None] & (scaled_RV < kth_R1), float("-inf"))
+    if (top_p_R < 1).any():
+        sorted_RV, order_RV = scaled_RV.sort(dim=-1, descending=True)
+        sorted_probs_RV = sorted_RV.softmax(dim=-1)
         # Drop a token once the better tokens already hold top_p of the mass; the best always stays.
-        drop_GV = sorted_probs_GV.cumsum(dim=-1) - sorted_probs_GV >= options.top_p
-        scaled_GV = scaled_GV.scatter(-1, order_GV, sorted_GV.masked_fill(drop_GV, float("-inf")))
-    return scaled_GV.softmax(dim=-1)
+        drop_RV = sorted_probs_RV.cumsum(dim=-1) - sorted_probs_RV >= top_p_R[:, None]
+        scaled_RV = scaled_RV.scatter(-1, order_RV, sorted_RV.masked_fill(drop_RV, float("-inf")))
+    return scaled_RV.softmax(dim=-1)

@@ -23,13 +23,12 @@ Tensor shape suffixes:
 """
 
 import contextlib
-import itertools
 import logging
 import queue
 import random
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -60,8 +59,6 @@ _STOP_WINDOW_MARGIN = 8
 # Padded prompt tokens prefilled in one step: newcomers beyond it wait a step, so that the
 # running rows are not held for long by a burst of long prompts.
 _MAX_PREFILL_TOKENS = 8192
-# Sampling calls that may wait on the engine at once (each on its own scheduler thread).
-MAX_CONCURRENT_REQUESTS = 256
 
 
 @dataclass
@@ -101,8 +98,6 @@ class _Waiting:
 class EmbeddedEngine:
     """Continuous batching over one model copy, loaded by the engine thread on the first request."""
 
-    max_concurrent_requests = MAX_CONCURRENT_REQUESTS
-
     def __init__(self, load: Callable[[], EngineModel], adapters: SamplerAdapters | None = None, *,
                  max_batch_tokens: int = 65536):
         """
@@ -117,6 +112,7 @@ class EmbeddedEngine:
         self.adapters = adapters
         self.max_batch_tokens = max_batch_tokens
         self._waiting: queue.SimpleQueue[_Waiting | None] = queue.SimpleQueue()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-loader")
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -128,14 +124,31 @@ class EmbeddedEngine:
         return cls(lambda: load_engine_model(model, feature_cache_bytes), adapters,
                    max_batch_tokens=sampler.max_batch_tokens)
 
-    def sample(self, request: SamplingRequest) -> SampleOutput:
-        """Sample one request in the running batch; blocks until its last sample stops."""
-        adapter = None
-        if request.adapter is not None:
-            adapter = request.adapter.weights
-            if adapter is None:
-                adapter = self.adapters.saved(request.adapter.directory)
-        waiting = _Waiting(request, adapter)
+    def submit(self, request: SamplingRequest) -> Future:
+        """Queue one request for the running batch; its future completes when its last sample stops.
+
+        Never waits: a saved adapter that is not loaded yet is read from disk by the loader thread,
+        which queues the request once it is there.
+        """
+        waiting = _Waiting(request, None)
+        adapter = request.adapter
+        if adapter is None:
+            self._queue(waiting)
+        elif adapter.weights is not None or (cached := self.adapters.cached(adapter.directory)) is not None:
+            waiting.adapter = adapter.weights or cached
+            self._queue(waiting)
+        else:
+            self._loader.submit(self._load_then_queue, waiting)
+        return waiting.future
+
+    def _load_then_queue(self, waiting: "_Waiting") -> None:
+        try:
+            waiting.adapter = self.adapters.saved(waiting.request.adapter.directory)
+            self._queue(waiting)
+        except Exception as error:
+            waiting.future.set_exception(error)
+
+    def _queue(self, waiting: "_Waiting") -> None:
         with self._lock:
             if self._closed:
                 raise EngineUnavailable("the embedded sampling engine is shut down")
@@ -143,12 +156,16 @@ class EmbeddedEngine:
                 self._thread = threading.Thread(target=self._serve, name="embedded-sampler", daemon=True)
                 self._thread.start()
             self._waiting.put(waiting)
-        return waiting.future.result()
+
+    def sample(self, request: SamplingRequest) -> SampleOutput:
+        """Sample one request in the running batch; blocks until its last sample stops."""
+        return self.submit(request).result()
 
     def forget(self, adapter_name: str) -> None:
         """Nothing to release: adapters travel with their requests."""
 
     def close(self) -> None:
+        self._loader.shutdown(wait=True)  # each load queues its request, which the close below fails
         with self._lock:
             self._closed = True
             thread = self._thread
@@ -213,10 +230,10 @@ class _Active:
         self.future = waiting.future
         options = self.request.options
         # Sample i draws with seed s + i (vLLM seeds child i of a request so), so a sample's tokens
-        # are the same whether it joined the batch with its siblings or later; 64 bits, wrapping.
+        # are the same whether it joined the batch with its siblings or later; 64 bits, wrapping. Each
+        # token takes one uniform number of the sample's own stream (server/sampling/draws.py).
         seed = random.getrandbits(64) if options.seed is None else options.seed
-        self.generators = [seeded_generator(device, (seed + sample) % (1 << 64))
-                           for sample in range(self.request.num_samples)]
+        self.streams = [random.Random((seed + sample) % (1 << 64)) for sample in range(self.request.num_samples)]
         wanted = self.request.logprobs
         self.alt_tokens_generator = None
         if wanted.prompt_alt_tokens_k:
@@ -260,6 +277,24 @@ class _Part:
     count: int
 
 
+@dataclass
+class _Joining:
+    """What the parts admitted so far in one admission add up to."""
+
+    tokens_left: int
+    """The most tokens a running or joining row may still generate."""
+    num_parts: int = 0
+    num_rows: int = 0
+    longest: int = 0
+    """The longest joining prompt."""
+
+    def add(self, part: _Part) -> None:
+        self.num_parts += 1
+        self.num_rows += part.count
+        self.longest = max(self.longest, part.active.request.prompt.num_positions)
+        self.tokens_left = max(self.tokens_left, part.active.request.options.max_tokens)
+
+
 class _Line:
     """The requests with samples not yet in the batch, in the order they get rows: those not started
     yet first, in arrival order, then the partly admitted ones, least recently admitted first."""
@@ -282,6 +317,7 @@ class _Line:
         # whatever the number of tenants. When all that wait have their share (or one is alone), rows
         # go round in line order, so none stay idle.
         below_share = sum(active.waits_below_share(batch.max_batch_tokens) for active in order)
+        joining = _Joining(tokens_left=batch.tokens_left())
         parts: list[_Part] = []
         for active in order:
             counted = active.waits_below_share(batch.max_batch_tokens)
@@ -291,12 +327,13 @@ class _Line:
                 if room <= 0:
                     continue  # over its share: those behind it go first
                 limit = min(limit, room)
-            count = min(limit, batch.rows_that_fit(active, parts))
+            count = min(limit, batch.rows_that_fit(active, joining))
             if not batch.rows and not parts:
                 count = max(count, 1)  # alone, a request runs even if one row is over the budget
             if count == 0:
                 break  # first come, first served: nobody overtakes a request that does not fit
             parts.append(_Part(active, active.num_admitted, count))
+            joining.add(parts[-1])
             active.num_admitted += count
             below_share += active.waits_below_share(batch.max_batch_tokens) - counted
         # Partly admitted requests go to the back, behind everyone who got no rows this time.
@@ -330,24 +367,30 @@ class _Batch:
         """The rope position of each row's next input token (every rope axis, for M-RoPE models)."""
         self.token_R = torch.zeros(0, dtype=torch.long, device=self.device)
         """Each row's last sampled token, the input of the next decode step."""
+        self.temperature_R = torch.zeros(0, device=self.device)
+        self.top_k_R = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.top_p_R = torch.zeros(0, device=self.device)
+        """Each row's sampling settings (its request's), so that one pass draws every row."""
         self.adapters: list[LoraAdapter | None] = []
         self.stack: AdapterStack | None = None
         self.row_adapter_R = torch.zeros(0, dtype=torch.long, device=self.device)
 
     # -- admission -----------------------------------------------------------------------------
 
-    def rows_that_fit(self, active: _Active, parts: list[_Part]) -> int:
+    def tokens_left(self) -> int:
+        """The most tokens a running row may still generate (0 for an empty batch)."""
+        return max((a.request.options.max_tokens - len(a.sequences[sample].tokens) for a, sample in self.rows),
+                   default=0)
+
+    def rows_that_fit(self, active: _Active, joining: "_Joining") -> int:
         """How many rows of `active` may join now, beside the parts joining this step, within the budgets."""
-        lengths = [part.active.request.prompt.num_positions for part in parts] + [active.request.prompt.num_positions]
-        if parts and len(lengths) * max(lengths) > _MAX_PREFILL_TOKENS:
+        longest = max(joining.longest, active.request.prompt.num_positions)
+        if joining.num_parts and (joining.num_parts + 1) * longest > _MAX_PREFILL_TOKENS:
             return 0
         # After the merge every row is left-padded to the same width, then grows until it stops.
-        width = max(self.mask_RL.shape[1], *lengths)
-        remaining = max([a.request.options.max_tokens - len(a.sequences[sample].tokens) for a, sample in self.rows]
-                        + [part.active.request.options.max_tokens for part in parts]
-                        + [active.request.options.max_tokens])
-        num_rows = len(self.rows) + sum(part.count for part in parts)
-        return max(0, self.max_batch_tokens // (width + remaining) - num_rows)
+        width = max(self.mask_RL.shape[1], longest)
+        remaining = max(joining.tokens_left, active.request.options.max_tokens)
+        return max(0, self.max_batch_tokens // (width + remaining) - len(self.rows) - joining.num_rows)
 
     def prefill(self, parts: list[_Part]) -> None:
         """Prefill the newcomers' prompts together, sample their first tokens and merge them into the batch."""
@@ -483,6 +526,11 @@ class _Batch:
         self.position_R = torch.cat([self.position_R, next_position_N])
         self.token_R = torch.cat([self.token_R, torch.zeros_like(next_position_N)])
         self.row_adapter_R = torch.cat([self.row_adapter_R, adapter_N])
+        options = [active.request.options for active, _ in rows]
+        self.temperature_R = torch.cat([self.temperature_R, torch.tensor([o.temperature for o in options],
+                                                                         device=self.device)])
+        self.top_k_R = torch.cat([self.top_k_R, torch.tensor([o.top_k for o in options], device=self.device)])
+        self.top_p_R = torch.cat([self.top_p_R, torch.tensor([o.top_p for o in options], device=self.device)])
         self.rows += rows
 
     # -- decoding ------------------------------------------------------------------------------
@@ -508,25 +556,24 @@ class _Batch:
         self._drop_finished()
 
     def _sample(self, logits_RV: torch.Tensor, rows: range) -> None:
-        """Draw the next token of the given rows (logits_RV holds theirs, in order) and record it."""
+        """Draw the next token of the given rows (logits_RV holds theirs, in order) and record it: every row
+        in one pass, whatever its request."""
         logits_RV = mask_refused(logits_RV, self.refused_M)
-        by_request: dict[int, list[int]] = {}
-        for offset, row in enumerate(rows):
-            by_request.setdefault(id(self.rows[row][0]), []).append(offset)
         logprobs_RV = logits_RV.log_softmax(dim=-1)
-        for offsets in by_request.values():
-            active = self.rows[rows[offsets[0]]][0]
-            samples = [self.rows[rows[offset]][1] for offset in offsets]
-            offsets_G = torch.tensor(offsets, device=self.device)
-            tokens_G = sample_tokens(logits_RV[offsets_G], active.request.options,
-                                     [active.generators[sample] for sample in samples])
-            logprobs_G = logprobs_RV[offsets_G].gather(-1, tokens_G[:, None])[:, 0]
-            self.token_R[torch.tensor([rows[o] for o in offsets], device=self.device)] = tokens_G
-            alternatives = itertools.repeat(None)
-            if k := active.request.logprobs.topk_sample_logprobs:
-                alternatives = best_alternatives(logprobs_RV[offsets_G], k)
-            for sample, token, logprob, best in zip(samples, tokens_G.tolist(), logprobs_G.tolist(), alternatives):
-                self._record(active, sample, token, logprob, best)
+        at = slice(rows.start, rows.stop)
+        drawn = self.rows[at]
+        uniform_R = torch.tensor([active.streams[sample].random() for active, sample in drawn], device=self.device)
+        tokens_R = sample_tokens(logits_RV, self.temperature_R[at], self.top_k_R[at], self.top_p_R[at], uniform_R)
+        self.token_R[at] = tokens_R
+        chosen_R = logprobs_RV.gather(-1, tokens_R[:, None])[:, 0]
+        alternatives: list[list[tuple[int, float]] | None] = [None] * len(drawn)
+        widths = [active.request.logprobs.topk_sample_logprobs for active, _ in drawn]
+        if any(widths):
+            best = best_alternatives(logprobs_RV, max(widths))
+            alternatives = [row[:k] if k else None for row, k in zip(best, widths)]
+        for (active, sample), token, logprob, row_best in zip(drawn, tokens_R.tolist(), chosen_R.tolist(),
+                                                              alternatives):
+            self._record(active, sample, token, logprob, row_best)
 
     def _record(self, active: _Active, sample: int, token: int, logprob: float,
                 best: list[tuple[int, float]] | None) -> None:
@@ -564,8 +611,9 @@ class _Batch:
         self.rows = [self.rows[row] for row in keep]
         keep_R = torch.tensor(keep, device=self.device)
         self.cache.batch_select_indices(keep_R)
-        self.mask_RL, self.position_R, self.token_R, self.row_adapter_R = (
-            t[keep_R] for t in (self.mask_RL, self.position_R, self.token_R, self.row_adapter_R))
+        (self.mask_RL, self.position_R, self.token_R, self.row_adapter_R, self.temperature_R, self.top_k_R,
+         self.top_p_R) = (t[keep_R] for t in (self.mask_RL, self.position_R, self.token_R, self.row_adapter_R,
+                                              self.temperature_R, self.top_k_R, self.top_p_R))
         first_used = int(self.mask_RL.any(dim=0).nonzero()[0])
         if first_used > 0:
             for layer in self.cache.layers:
@@ -583,8 +631,9 @@ class _Batch:
         self.rows = []
         self.cache = None
         self.mask_RL = self.mask_RL[:0, :0]
-        self.position_R, self.token_R, self.row_adapter_R = (t[:0] for t in
-                                                             (self.position_R, self.token_R, self.row_adapter_R))
+        (self.position_R, self.token_R, self.row_adapter_R, self.temperature_R, self.top_k_R,
+         self.top_p_R) = (t[:0] for t in (self.position_R, self.token_R, self.row_adapter_R, self.temperature_R,
+                                          self.top_k_R, self.top_p_R))
         self._use_adapters([])
 
     # -- adapters ------------------------------------------------------------------------------

@@ -3,12 +3,14 @@
 Two engines implement `SamplingEngine`: the embedded engine (embedded.py: HF transformers in this
 process, continuous batching, any mix of adapters per batch), and vLLM (vllm.py: a supervised vLLM
 server, with the embedded engine beside it for what vLLM cannot serve). Callers hand over a
-`SamplingRequest` and block until its `SampleOutput` is ready, each on its own thread; the engine
-batches whatever is in flight. Knows nothing about HTTP, the wire format or the store.
+`SamplingRequest` with `submit` and get a future of its `SampleOutput` at once: no thread waits per
+request, and the engine batches whatever is in flight. Knows nothing about HTTP, the wire format or
+the store.
 """
 
 import dataclasses
 import hashlib
+from concurrent.futures import Future
 from datetime import datetime
 from pathlib import Path
 from typing import Protocol
@@ -23,11 +25,11 @@ from server.sampling.vllm_process import ServedModel, build_vllm_server
 
 
 class SamplingEngine(Protocol):
-    max_concurrent_requests: int
-    """Requests it serves at once: callers may have this many `sample` calls waiting on it."""
+    def submit(self, request: SamplingRequest) -> Future[SampleOutput]:
+        """Start sampling one request; its future completes (from the engine's own thread) when it is done."""
 
     def sample(self, request: SamplingRequest) -> SampleOutput:
-        """Sample one request; blocks the calling thread until it is done."""
+        """Sample one request; blocks the calling thread until it is done (`submit(request).result()`)."""
 
     def forget(self, adapter_name: str) -> None:
         """Release an adapter whose weights are gone (deleted or overwritten checkpoint, dropped snapshot)."""

@@ -34,7 +34,7 @@ import base64
 import logging
 import threading
 from typing import TYPE_CHECKING
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -56,10 +56,12 @@ _MAX_ATTEMPTS = 3
 _VLLM_LOGPROB_FLOOR = -9999.0
 
 
+# Requests in flight to vLLM at once (each holds a connection and a client thread); more wait their turn.
+_MAX_CONCURRENT_REQUESTS = 256
+
+
 class VLLMEngine:
     """Samples through a vLLM server; thread-safe, and concurrent calls run concurrently in vLLM."""
-
-    max_concurrent_requests = 256
 
     def __init__(self, server: VLLMEndpoint, fallback: "SamplingEngine | None" = None, *,
                  request_timeout_s: float = 600.0):
@@ -73,8 +75,10 @@ class VLLMEngine:
         # One pooled client for every thread: vLLM batches whatever requests are in flight.
         self._client = httpx.Client(
             timeout=httpx.Timeout(request_timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=self.max_concurrent_requests,
-                                max_keepalive_connections=self.max_concurrent_requests))
+            limits=httpx.Limits(max_connections=_MAX_CONCURRENT_REQUESTS,
+                                max_keepalive_connections=_MAX_CONCURRENT_REQUESTS))
+        # The HTTP conversation with vLLM blocks: submitted requests wait for it on these threads.
+        self._calls = ThreadPoolExecutor(_MAX_CONCURRENT_REQUESTS, thread_name_prefix="vllm-client")
         self._adapters: dict[str, Path] = {}
         """Adapters this engine has loaded into the running vLLM: name -> path."""
         self._adapters_lock = threading.Lock()
@@ -91,6 +95,10 @@ class VLLMEngine:
         if wanted.topk_prompt_logprobs > config.max_logprobs or wanted.topk_sample_logprobs >= config.max_logprobs:
             return False
         return not (uses_lora and wanted.scores_prompt)
+
+    def submit(self, request: SamplingRequest) -> Future:
+        """Start sampling one request (see `sample`) on a client thread."""
+        return self._calls.submit(self.sample, request)
 
     def sample(self, request: SamplingRequest) -> SampleOutput:
         """Sample `num_samples` completions of one prompt, with its logprobs when asked.
@@ -140,6 +148,7 @@ class VLLMEngine:
         return SampleOutput(sequences=sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk)
 
     def close(self) -> None:
+        self._calls.shutdown(wait=False, cancel_futures=True)
         self._client.close()
         self.server.close()
         if self.fallback is not None:

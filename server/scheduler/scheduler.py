@@ -16,13 +16,12 @@ share goes on in the next pass. So eight tenants' small steps take one pass, and
 job holds another's small step for more than a pass. Outcomes are recorded off the training thread,
 in the order the operations ran: the finisher journals each result (and what its route records with
 it) while the next cycle computes, and the checkpoint writer writes a save's host copy first.
-Sampling has its own threads (several when the engine batches concurrent requests). Waiters are
-woken in memory; the database is only the journal, and an outcome it cannot take (a full disk) is
-kept in memory and answered from there until it can.
+Waiters are woken in memory; the database is only the journal, and an outcome it cannot take (a full
+disk) is kept in memory and answered from there until it can. Sampling never comes here: its futures
+live in memory (sampling.py).
 """
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -33,12 +32,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.errors import (Conflict, InsufficientStorage, InvalidRequest, NotFound, ShuttingDown, TinkerServerError,
-                           without_server_paths)
+from server.errors import Conflict, InvalidRequest, NotFound, ShuttingDown, TinkerServerError
 from server.metrics import ServerMetrics
+from server.scheduler.outcomes import Outcome, failure_of
 from server.scheduler.passes import share_pass
 from server.store.db import storage_failure
-from server.store.store import FutureRecord, Store, utcnow
+from server.store.store import FutureRecord, Store
 from server.training.executor import TrainingExecutor
 from server.training.operations import ForwardBackward, Operation, SaveState, Unload
 
@@ -56,8 +55,6 @@ Respond = Callable[[Any], tuple[bytes, str]]
 """Turns an operation's result into the future's payload and content type, recording what the route
 needs recorded (a checkpoint's files and row, a run's row); runs after the operation, never on the
 event loop."""
-Work = Callable[[], tuple[bytes, str]]
-"""A sampling request's work: the result payload and its content type."""
 
 
 @dataclass
@@ -111,8 +108,7 @@ def _not_loaded(model_id: str) -> str:
 
 
 class Scheduler:
-    def __init__(self, store: Store, executor: TrainingExecutor, sampling_workers: int = 1, *,
-                 pass_tokens: int = 65536, pass_runs: int | None = None, seq_gap_timeout: float = 120.0,
+    def __init__(self, store: Store, executor: TrainingExecutor, *, pass_tokens: int = 65536, pass_runs: int | None = None, seq_gap_timeout: float = 120.0,
                  metrics: ServerMetrics | None = None, hidden_paths: tuple[str, ...] = ()):
         """
         Args:
@@ -126,9 +122,6 @@ class Scheduler:
         self.seq_gap_timeout = seq_gap_timeout
         self.metrics = metrics or ServerMetrics()
         self._hidden_paths = hidden_paths
-        # One sampling thread for an engine that runs one request at a time; many for one that batches
-        # whatever is in flight (vLLM), so each request completes when its own generation ends.
-        self._sampling = ThreadPoolExecutor(max_workers=sampling_workers, thread_name_prefix="sampling")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._write_slots = threading.Semaphore(MAX_PENDING_WRITES)
         # A step's results take several database commits (the future, the run's metrics): on the
@@ -150,9 +143,7 @@ class Scheduler:
         self._abandoned: set[str] = set()
         self._stopping = False
         self._waiters: dict[str, asyncio.Event] = {}
-        self._dispatched: dict[str, concurrent.futures.Future] = {}
-        """Sampling requests handed to the sampling threads."""
-        self._unjournaled: dict[str, FutureRecord] = {}
+        self._unjournaled: dict[str, Outcome] = {}
         """Outcomes the journal could not take yet (a full disk), answered from memory meanwhile."""
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -218,14 +209,6 @@ class Scheduler:
             self._advance(model_id, queue)
         return request_id
 
-    async def submit_sampling(self, *, request_id: str, owner: str, sampling_session_id: str, seq_id: int | None,
-                              payload_hash: str, work: Work) -> str:
-        """Journal a sampling request (deduplicated on (sampling_session_id, seq_id)) and run it."""
-        record = await self._journal(request_id, "Sample", owner, sampling_session_id, seq_id, payload_hash)
-        if record.request_id == request_id:
-            self._dispatched[request_id] = self._sampling.submit(self._sample, request_id, work)
-        return record.request_id
-
     def retire_model(self, model_id: str, then: Callable[[], None]) -> None:
         """Stop accepting a model's requests and unload it after its ready requests, then call `then`
         (on the training thread).
@@ -281,8 +264,8 @@ class Scheduler:
             except Exception:  # a database hiccup must not end the loop: the next round tries again
                 logger.exception("scheduler housekeeping failed")
 
-    async def retrieve(self, request_id: str, timeout: float, *, owner: str) -> FutureRecord | None:
-        """The owner's finished future, or None if it is still pending after waiting up to `timeout` seconds.
+    async def retrieve(self, request_id: str, timeout: float, *, owner: str) -> Outcome | None:
+        """The owner's finished request, or None if it is still pending after waiting up to `timeout` seconds.
 
         Another tenant's request id is not found (404), exactly like an unknown one.
         """
@@ -290,15 +273,15 @@ class Scheduler:
         record = await self._read(request_id)
         if record.owner != owner:
             raise NotFound(f"no request {request_id}")
-        if record.status != "pending":
-            return record
-        if event is None:
-            return None
+        outcome = self._outcome_of(record)
+        if outcome is not None or event is None:
+            return outcome
         try:
-            await asyncio.wait_for(event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await event.wait()
         except TimeoutError:
             return None
-        return await self._read(request_id)
+        return self._outcome_of(await self._read(request_id))
 
     def close(self, timeout: float = 30.0) -> ShutdownReport:
         """Accept no more work, fail what is queued, give running requests `timeout` seconds, fail the rest."""
@@ -312,41 +295,38 @@ class Scheduler:
             self._ready.clear()
             running = dict.fromkeys(self._running)
             self._lock.notify_all()
-        self._sampling.shutdown(wait=False, cancel_futures=True)
-        sampling = dict(self._dispatched)
-        never_run = [request.request_id for request in queued]
-        never_run += [request_id for request_id, future in sampling.items() if future.cancelled()]
-        for request_id in never_run:
-            self._record(request_id, _failure(request_id, stopping))
         for request in queued:
+            self._record(request.request_id, Outcome.failure(stopping))
             if request.release is not None:
                 request.release()
-        sampling_running = [future for future in sampling.values() if not future.cancelled()]
-        deadline = time.monotonic() + timeout
         with self._lock:
             self._lock.wait_for(lambda: not running.keys() & self._running.keys(), timeout)
         with self._finishing, self._lock:
             unfinished = [request_id for request_id in running if request_id in self._running]
             self._abandoned.update(unfinished)
-        _, sampling_unfinished = concurrent.futures.wait(sampling_running,
-                                                         timeout=max(0.0, deadline - time.monotonic()))
         self._writer.shutdown(wait=False, cancel_futures=True)
         self._finisher.shutdown(wait=False, cancel_futures=True)
-        unfinished += [request_id for request_id, future in sampling.items() if future in sampling_unfinished]
         interrupted = ShuttingDown(f"the server shut down while this request ran (it did not finish within "
                                    f"{timeout:g} s); its effect is lost: send it again once the server is back")
         for request_id in unfinished:
-            self._record(request_id, _failure(request_id, interrupted))
+            self._record(request_id, Outcome.failure(interrupted))
         self._flush_unjournaled()
-        return ShutdownReport(finished=len(running) + len(sampling_running) - len(unfinished),
-                              cancelled=len(never_run), interrupted=len(unfinished))
+        return ShutdownReport(finished=len(running) - len(unfinished), cancelled=len(queued),
+                              interrupted=len(unfinished))
 
     async def _read(self, request_id: str) -> FutureRecord:
         record = await asyncio.to_thread(self.store.get_future, request_id)
         if record is None:
             raise NotFound(f"no request {request_id}")
-        kept = self._unjournaled.get(request_id)
-        return record if kept is None else dataclasses.replace(kept, owner=record.owner)
+        return record
+
+    def _outcome_of(self, record: FutureRecord) -> Outcome | None:
+        """A journaled request's outcome (the one kept in memory while the journal cannot take it); None if pending."""
+        kept = self._unjournaled.get(record.request_id)
+        if kept is not None or record.status == "pending":
+            return kept
+        return Outcome(record.status, result=record.result, content_type=record.content_type, error=record.error,
+                       error_category=record.error_category)
 
     async def _journal(self, request_id: str, request_type: str, owner: str, model_id: str, seq_id: int | None,
                        payload_hash: str) -> FutureRecord:
@@ -532,12 +512,11 @@ class Scheduler:
             return
         if error is None:
             try:
-                payload, content_type = request.respond(result)
-                outcome = _success(request_id, payload, content_type)
+                outcome = Outcome.success(*request.respond(result))
             except Exception as raised:
                 error = raised
         if error is not None:
-            outcome = self._failure(request_id, request.model_id, error)
+            outcome = failure_of(error, request_id, self._hidden_paths, request.model_id)
         if request.release is not None:
             request.release()
         self.metrics.observe_request(request.request_type, outcome.status, time.perf_counter() - request.started)
@@ -550,44 +529,15 @@ class Scheduler:
                 self._lock.notify_all()
         self._loop.call_soon_threadsafe(self._finished, request_id, request.model_id if request.sequenced else None)
 
-    def _failure(self, request_id: str, model_id: str | None, error: Exception) -> FutureRecord:
-        """The failed outcome for an error a request's work raised (an unexpected one is logged in full)."""
-        if isinstance(error, TinkerServerError):
-            failure = error
-        elif isinstance(error, OSError):
-            failure = storage_failure(error, "finish this request")
-            if not isinstance(failure, InsufficientStorage):
-                logger.error("event=request_failed request_id=%s", request_id, exc_info=error)
-        else:
-            logger.error("event=request_failed request_id=%s type=%s", request_id, type(error).__name__,
-                         exc_info=error)
-            failure = TinkerServerError(f"internal error ({type(error).__name__}); the server log has the details "
-                                        f"under request {request_id}")
-        logger.info("event=request_failed request_id=%s model_id=%s category=%s error=%r", request_id, model_id,
-                    failure.category, str(failure))
-        return _failure(request_id, failure, self._hidden_paths)
+    # -- outcomes ------------------------------------------------------------------------------------
 
-    # -- sampling and outcomes -------------------------------------------------------------------
-
-    def _sample(self, request_id: str, work: Work) -> None:
-        """Sampling thread: run the work and record its result or error on the future."""
-        started = time.perf_counter()
-        try:
-            payload, content_type = work()
-            outcome = _success(request_id, payload, content_type)
-        except Exception as error:
-            outcome = self._failure(request_id, None, error)
-        self.metrics.observe_request("Sample", outcome.status, time.perf_counter() - started)
-        self._record(request_id, outcome)
-        self._loop.call_soon_threadsafe(self._finished, request_id, None)
-
-    def _journal_outcome(self, request_id: str, outcome: FutureRecord) -> None:
+    def _journal_outcome(self, request_id: str, outcome: Outcome) -> None:
         if outcome.status == "complete":
             self.store.complete_future(request_id, result=outcome.result, content_type=outcome.content_type)
         else:
             self.store.fail_future(request_id, error=outcome.error, category=outcome.error_category)
 
-    def _record(self, request_id: str, outcome: FutureRecord) -> None:
+    def _record(self, request_id: str, outcome: Outcome) -> None:
         """Journal a finished future's outcome; if the journal cannot take it, keep it in memory."""
         try:
             self._journal_outcome(request_id, outcome)
@@ -614,11 +564,10 @@ class Scheduler:
 
     def _fail_now(self, request_id: str, error: TinkerServerError) -> None:
         """Fail a journaled future that will never run (refused, unloaded, or behind a gap)."""
-        self._record(request_id, _failure(request_id, error, self._hidden_paths))
+        self._record(request_id, Outcome.failure(error, self._hidden_paths))
         self._finished(request_id, None)
 
     def _finished(self, request_id: str, model_id: str | None) -> None:
-        self._dispatched.pop(request_id, None)
         event = self._waiters.pop(request_id, None)
         if event is not None:
             event.set()
@@ -627,16 +576,3 @@ class Scheduler:
             queue.in_flight -= 1
             queue.idle_since = time.monotonic()
             self.metrics.set_queue_depth(model_id, len(queue.waiting) + queue.in_flight)
-
-
-def _success(request_id: str, payload: bytes, content_type: str) -> FutureRecord:
-    return FutureRecord(request_id=request_id, request_type="", owner=None, model_id=None, seq_id=None, payload_hash="",
-                        status="complete", result=payload, content_type=content_type, error=None,
-                        error_category=None, created_at=utcnow(), finished_at=utcnow())
-
-
-def _failure(request_id: str, error: TinkerServerError, hidden_paths: tuple[str, ...] = ()) -> FutureRecord:
-    return FutureRecord(request_id=request_id, request_type="", owner=None, model_id=None, seq_id=None, payload_hash="",
-                        status="failed", result=None, content_type=None,
-                        error=without_server_paths(str(error), *hidden_paths), error_category=error.category,
-                        created_at=utcnow(), finished_at=utcnow())

@@ -1,10 +1,11 @@
 """Checkpoint retention: the TTL sweeper, and the pins that keep a checkpoint in use from being swept.
 
 A checkpoint is in use, and never swept, while
-- a sampling session samples from it: one of an unfinished session, or one with a sample request still
-  pending (the database knows this, for every replica: `Store.expired_checkpoints`);
-- a request of this process holds a pin on it: a load_weights (from acceptance until the weights are
-  loaded), a save that writes its files, a copy_weights reading it.
+- a sampling session of an unfinished session samples from it (the database knows this:
+  `Store.expired_checkpoints`);
+- a request of this process holds a pin on it: a sample request (from acceptance to its result), a
+  load_weights (from acceptance until the weights are loaded), a save that writes its files, a
+  copy_weights reading it.
 Knows nothing about HTTP or engines; the caller says what else to release when a checkpoint goes.
 """
 

@@ -5,6 +5,8 @@ run calls in asyncio.to_thread. Callers get records, never ORM rows, so nothing 
 Knows nothing about HTTP, wire types or where checkpoint files come from.
 """
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, TypeVar
@@ -20,6 +22,7 @@ from server.store.run_metrics import RunMetrics
 from server.store.sampled_sequences import SampledSequences
 
 FutureStatus = Literal["pending", "complete", "failed"]
+MAX_CACHED_SAMPLING_SESSIONS = 4096
 CheckpointType = Literal["training", "sampler", "external"]
 
 
@@ -178,6 +181,9 @@ class Store:
         """Sequences sampled with record_stability_info (stable_reinforce); a module of its own."""
         self.run_metrics = RunMetrics(self.engine)
         """Each run's metrics per step (the dashboard's curves); a module of its own."""
+        self._sampling_sessions: OrderedDict[str, SamplingSessionRecord] = OrderedDict()
+        """Sampling sessions read lately: they never change once written, and every sample request names one."""
+        self._sampling_sessions_lock = threading.Lock()
 
     def close(self) -> None:
         """Close every pooled connection."""
@@ -539,10 +545,21 @@ class Store:
             db.add(SamplingSessionRow(**_to_values(rec)))
 
     def get_sampling_session(self, sampling_session_id: str) -> SamplingSessionRecord | None:
-        """The sampling session, or None."""
+        """The sampling session, or None (from memory when it was read lately)."""
+        with self._sampling_sessions_lock:
+            record = self._sampling_sessions.get(sampling_session_id)
+            if record is not None:
+                self._sampling_sessions.move_to_end(sampling_session_id)
+                return record
         with self._transaction() as db:
             row = db.get(SamplingSessionRow, sampling_session_id)
-            return None if row is None else _to_record(SamplingSessionRecord, row)
+            record = None if row is None else _to_record(SamplingSessionRecord, row)
+        if record is not None:
+            with self._sampling_sessions_lock:
+                self._sampling_sessions[sampling_session_id] = record
+                while len(self._sampling_sessions) > MAX_CACHED_SAMPLING_SESSIONS:
+                    self._sampling_sessions.popitem(last=False)
+        return record
 
     # API keys
 
@@ -582,12 +599,10 @@ class Store:
             return db.scalar(sa.select(sa.func.count()).select_from(ApiKeyRow)) > 0
 
 def _checkpoint_in_use() -> sa.ColumnElement[bool]:
-    """A checkpoint is in use while a sampling session samples from it: one of a session that is not finished
-    (its client may sample at any time), or one with a sample request still pending. Correlated to the
-    checkpoints row of the enclosing statement, so a check and a delete happen in one statement."""
+    """A checkpoint is in use while a sampling session of a session that is not finished samples from it (its
+    client may sample at any time; a sample request running now holds a pin of the server's own). Correlated
+    to the checkpoints row of the enclosing statement, so a check and a delete happen in one statement."""
     session_live = sa.select(SessionRow.session_id).where(SessionRow.session_id == SamplingSessionRow.session_id,
                                                           SessionRow.finished_at.is_(None)).exists()
-    sample_pending = sa.select(FutureRow.request_id).where(
-        FutureRow.model_id == SamplingSessionRow.sampling_session_id, FutureRow.status == "pending").exists()
     return sa.select(SamplingSessionRow.sampling_session_id).where(
-        SamplingSessionRow.model_path == CheckpointRow.tinker_path, sa.or_(session_live, sample_pending)).exists()
+        SamplingSessionRow.model_path == CheckpointRow.tinker_path, session_live).exists()

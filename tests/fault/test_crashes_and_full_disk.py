@@ -238,5 +238,28 @@ def test_sigterm_stops_within_the_shutdown_timeout_and_fails_what_was_running(mo
     log = server.log_path.read_text()
     assert "event=shutdown " in log and "failed_running=1" in log, log[-2000:]
     assert took < 2 + 3 + 10, took  # the shutdown timeout, the open-connection grace, start-up of nothing new
-    assert _pending_futures(server) == 0
     del long_sample
+
+
+def test_a_sample_in_flight_when_the_server_is_killed_completes_once_it_is_back(models_dir, tmp_path):
+    """Sampling futures live in memory: a kill -9 loses the request, and the SDK, whose poll then gets a 410,
+    sends the sample again to the restarted server. The caller only sees its result come later."""
+    data_dir, port = tmp_path / "data", free_port()
+    server = start_server(data_dir, None, models_dir, port=port)
+    sampler = server.service_client().create_sampling_client(base_model=BASE_MODEL).result()
+    future = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 2, types.SamplingParams(max_tokens=3000, stop=[]))
+    deadline = time.monotonic() + 60
+    while server.metric("tinker_http_requests_total", route="/api/v1/asample", method="POST", status="200") < 1:
+        assert time.monotonic() < deadline, "the sample was never accepted"
+        time.sleep(0.05)
+    server.process.kill()
+    server.process.wait()
+    restarted = start_server(data_dir, None, models_dir, port=port)
+    restarted.api_key = server.api_key  # the first start's key, an admin's: it reads the metrics
+    try:
+        response = future.result(timeout=300)
+        assert [len(sequence.tokens) for sequence in response.sequences] == [3000, 3000]
+        assert restarted.metric("tinker_http_requests_total", route="/api/v1/retrieve_future", method="POST",
+                                status="410") >= 1
+    finally:
+        restarted.stop()

@@ -171,28 +171,6 @@ def test_a_failing_request_fails_its_future_and_the_next_one_still_runs(store):
     assert ok.status == "complete"
 
 
-def test_sampling_does_not_wait_behind_training(store):
-    release = threading.Event()
-
-    async def scenario():
-        executor = FakeExecutor()
-        executor.actions["t"] = lambda: (release.wait(10), "trained")[1]
-        scheduler = await _created_scheduler(store, executor)
-        training = await _submit(scheduler, "t", 1)
-        sample = await scheduler.submit_sampling(owner="o",
-                                                 request_id="smp", sampling_session_id="s:sample:0", seq_id=0,
-                                                 payload_hash="x", work=lambda: (b"sampled", "text/plain"))
-        sampled = await scheduler.retrieve(sample, timeout=5, owner="o")
-        still_training = await scheduler.retrieve(training, timeout=0.1, owner="o")
-        release.set()
-        trained = await scheduler.retrieve(training, timeout=10, owner="o")
-        scheduler.close()
-        return sampled, still_training, trained
-
-    sampled, still_training, trained = asyncio.run(scenario())
-    assert sampled.result == b"sampled" and still_training is None and trained.result == b"trained"
-
-
 def test_requests_of_a_model_not_created_since_start_fail_at_once_instead_of_waiting(store):
     async def scenario():
         scheduler = Scheduler(store, FakeExecutor())

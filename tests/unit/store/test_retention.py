@@ -1,5 +1,6 @@
 """The TTL sweeper on SQLite and PostgreSQL: expired checkpoints lose their rows and files, and a checkpoint in
-use (sampled by a live session or a pending request, or pinned by a request of this process) never does."""
+use (sampled by a live session, or pinned by a request of this process: a sample request running, a load, a
+save, a copy) never does."""
 
 import threading
 from collections.abc import Iterator
@@ -70,16 +71,6 @@ def test_a_checkpoint_sampled_by_a_live_session_stays_until_the_session_finishes
     sample_from(store, record, "s2", "s2:sample:0")
     assert sweep(store, tmp_path) == [] and Path(record.directory).exists()
     store.finish_session("s2", "success")
-    assert sweep(store, tmp_path) == [record.tinker_path]
-
-
-def test_a_checkpoint_with_a_sample_request_still_pending_stays_until_it_finishes(store, tmp_path):
-    record = save(store, tmp_path, "pending", expires_at=NOW - timedelta(hours=1))
-    sample_from(store, record, "s2", "s2:sample:0")
-    store.finish_session("s2", "success")
-    store.insert_future(request_id="r1", request_type="Sample", model_id="s2:sample:0", seq_id=0, payload_hash="h")
-    assert sweep(store, tmp_path) == []
-    store.complete_future("r1", result=b"", content_type="application/x-protobuf")
     assert sweep(store, tmp_path) == [record.tinker_path]
 
 

@@ -1,0 +1,288 @@
+"""Short sampling requests, the shape of multi-turn RL: many one-sample requests against one many-sample request.
+
+    python -m benchmarks.rollout                                   (CPU: builtin:tiny-qwen2-vl, float32)
+    python -m benchmarks.rollout --device cuda --dtype bfloat16 --requests 256
+    python -m benchmarks.rollout --sides server,server-vllm,raw-vllm --vllm-python .venv-vllm/bin/python
+
+The cookbook's RL loop samples each episode's next turn on its own: one request per episode per turn,
+`num_samples=1`, a handful of new tokens. For each prompt shape (0, 1 or 4 images) every side runs:
+- idle: one request at a time, `--idle` of them: the latency of a request on an idle server;
+- burst: `--requests` one-sample requests at once, each with its own prompt text and images (as an RL
+  step's episodes have): requests/s and the p50/p99 latency of a request;
+- one request of `--requests` samples of one prompt: what the engine costs for as many samples.
+The ratio burst / one is what a request costs beyond its sample; 1.0 is the engine's own speed.
+
+Sides: `server` (python -m server, embedded engine, driven by the tinker SDK), `server-vllm`
+(python -m server --sampler vllm, the SDK), `raw-vllm` (vLLM's own OpenAI server started with the
+flags the server gives its vLLM, driven over HTTP by one asyncio client, no server of ours). Peak memory
+is the RSS of each side's process tree (CPU) or the GPU memory in use. Speed is never asserted in
+tests; record results in RESULTS.md with the machine and date.
+"""
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.process_memory import PeakMemory, process_tree  # noqa: E402
+from tests.support.live_server import start_server  # noqa: E402
+
+BASE_MODEL = "builtin:tiny-qwen2-vl"
+PROMPT_TOKENS = 32
+IMAGE_SIZE = 112
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--base-model", default=BASE_MODEL)
+    parser.add_argument("--requests", type=int, default=128, help="one-sample requests in a burst")
+    parser.add_argument("--idle", type=int, default=20, help="requests one at a time, for the idle latency")
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--images", default="0,1,4", help="images per prompt, one shape each")
+    parser.add_argument("--rounds", type=int, default=2, help="timed bursts per shape (after one untimed)")
+    parser.add_argument("--sides", default="server")
+    parser.add_argument("--server-args", default="", help="more flags for python -m server")
+    parser.add_argument("--vllm-python", type=Path, default=REPO_ROOT / ".venv-vllm" / "bin" / "python")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/rollout-bench"))
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return parser.parse_args()
+
+
+def make_images(count: int, seed: int) -> list[Image.Image]:
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)) for _ in range(count)]
+
+
+def png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+class Timed:
+    """Latencies of requests, and the wall time of the whole batch of them."""
+
+    def __init__(self):
+        self.latencies: list[float] = []
+
+    async def run(self, make, count: int) -> float:
+        async def one(index: int):
+            start = time.perf_counter()
+            await make(index)
+            self.latencies.append(time.perf_counter() - start)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(index) for index in range(count)))
+        return time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+async def measure(args, num_images: int, send_one, send_many) -> dict:
+    """idle, burst and one-many-sample timings of one prompt shape, through `send_one(index)` and `send_many(n)`."""
+    idle = Timed()
+    for index in range(args.idle):
+        await idle.run(lambda _, index=index: send_one(10_000_000 + index), 1)
+    bursts = []
+    for round_index in range(args.rounds + 1):
+        timed = Timed()
+        seconds = await timed.run(lambda index: send_one(round_index * args.requests + index), args.requests)
+        bursts.append((seconds, timed.latencies))
+    many = []
+    for _ in range(args.rounds + 1):
+        start = time.perf_counter()
+        await send_many(args.requests)
+        many.append(time.perf_counter() - start)
+    burst_seconds = statistics.median(seconds for seconds, _ in bursts[1:])
+    latencies = [latency for _, round_latencies in bursts[1:] for latency in round_latencies]
+    many_seconds = statistics.median(many[1:])
+    return {"images": num_images, "idle_p50_ms": 1000 * percentile(idle.latencies, 50),
+            "burst_seconds": burst_seconds, "requests_per_second": args.requests / burst_seconds,
+            "p50_ms": 1000 * percentile(latencies, 50), "p99_ms": 1000 * percentile(latencies, 99),
+            "many_seconds": many_seconds, "ratio": burst_seconds / many_seconds}
+
+
+def run_server(args, side: str) -> dict:
+    """One of the server's sides, driven by the tinker SDK as the cookbook's RL loop drives it."""
+    import tinker
+    from tinker import types
+
+    from client_compat.images import ImageChunker
+
+    flags = ["--device", args.device, "--dtype", args.dtype, *args.server_args.split()]
+    if side == "server-vllm":
+        flags += ["--sampler", "vllm", "--vllm-python", str(args.vllm_python)]
+    server = start_server(args.work_dir / side, None, args.work_dir / "models", *flags, base_model=args.base_model,
+                          startup_seconds=1800)
+    try:
+        service = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
+        training = service.create_lora_training_client(base_model=args.base_model, rank=8).result()
+        tokenizer = training.get_tokenizer()
+        chunker = ImageChunker(training.get_info().model_data.tokenizer_id)
+        sampler = training.save_weights_and_get_sampling_client().result()
+        vision_start, vision_end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+        rng = np.random.default_rng(0)
+        text = rng.integers(100, min(tokenizer.vocab_size, 4000), PROMPT_TOKENS).tolist()
+        images = {}
+
+        def prompt(index: int, num_images: int) -> types.ModelInput:
+            # Its own text (the index spelled in tokens) and its own images, as an RL step's episodes have.
+            chunks = [types.EncodedTextChunk(tokens=text + [100 + index % 1000, 100 + index // 1000 % 1000])]
+            for image_index in range(num_images):
+                key = (index, image_index)
+                if key not in images:
+                    images[key] = chunker.chunk(make_images(1, hash(key) % 2**32)[0])
+                chunks += [types.EncodedTextChunk(tokens=[vision_start]), images[key],
+                           types.EncodedTextChunk(tokens=[vision_end])]
+            return types.ModelInput(chunks=chunks)
+
+        params = types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=[])
+        results = []
+        with PeakMemory(args.device, lambda: process_tree(server.process.pid)) as memory:
+            for num_images in [int(count) for count in args.images.split(",")]:
+                for index in range(args.rounds * args.requests + args.requests):
+                    prompt(index, num_images)  # built before timing: the client's own work is not measured
+
+                async def send_one(index: int, num_images=num_images):
+                    await sampler.sample(prompt(index, num_images), num_samples=1, sampling_params=params)
+
+                async def send_many(count: int, num_images=num_images):
+                    await sampler.sample(prompt(0, num_images), num_samples=count, sampling_params=params)
+
+                results.append(asyncio.run(measure(args, num_images, send_one, send_many)))
+                images.clear()
+                print(f"{side}: {results[-1]}", flush=True)
+        service.close("success").result()
+        return {"shapes": results, "peak_memory_gib": memory.peak}
+    finally:
+        server.stop(timeout=120)
+
+
+def run_raw_vllm(args) -> dict:
+    """vLLM's OpenAI server alone, with the flags the server gives its vLLM, driven over HTTP by asyncio."""
+    import subprocess
+
+    import httpx
+
+    from server.config import parse_config
+    from server.sampling.vllm_process import ServedModel, vllm_command, vllm_environment
+    from tests.support.live_server import free_port
+
+    model_dir = args.work_dir / "models" / args.base_model.removeprefix("builtin:")
+    if not model_dir.exists():  # built by a server side's first start
+        raise SystemExit(f"no {model_dir}: run a server side first (--sides server,raw-vllm)")
+    config = parse_config(["--base-model", args.base_model, "--sampler", "vllm", "--device", args.device,
+                           "--dtype", args.dtype, "--vllm-python", str(args.vllm_python)])
+    port = free_port()
+    served = ServedModel(directory=model_dir, name=args.base_model, dtype=args.dtype, refused_token_ids=frozenset(),
+                         max_images_per_prompt=config.sampler.max_images_per_prompt)
+    command = vllm_command(config.sampler.vllm, served, port)
+    log = (args.work_dir / "raw-vllm.log").open("w")
+    process = subprocess.Popen(command, env=vllm_environment(config.sampler.vllm), stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 1800
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"vLLM did not start; see {args.work_dir / 'raw-vllm.log'}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        rng = np.random.default_rng(0)
+        text = rng.integers(100, min(tokenizer.vocab_size, 4000), PROMPT_TOKENS).tolist()
+
+        results = []
+        with PeakMemory(args.device, lambda: process_tree(process.pid)) as memory:
+            for num_images in [int(count) for count in args.images.split(",")]:
+                urls = {}
+
+                def body(index: int, num_samples: int, num_images=num_images) -> tuple[str, dict]:
+                    ids = text + [100 + index % 1000, 100 + index // 1000 % 1000]
+                    common = {"model": args.base_model, "max_tokens": args.max_tokens, "n": num_samples,
+                              "temperature": 1.0, "ignore_eos": True}
+                    if num_images == 0:
+                        return "/v1/completions", {**common, "prompt": ids}
+                    content = [{"type": "text", "text": tokenizer.decode(ids)}]
+                    for image_index in range(num_images):
+                        key = (index, image_index)
+                        if key not in urls:
+                            encoded = base64.b64encode(png(make_images(1, hash(key) % 2**32)[0])).decode()
+                            urls[key] = f"data:image/png;base64,{encoded}"
+                        content.append({"type": "image_url", "image_url": {"url": urls[key]}})
+                    return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": content}]}
+
+                for index in range(args.rounds * args.requests + args.requests):
+                    body(index, 1)
+
+                async def shape(num_images=num_images):
+                    limits = httpx.Limits(max_connections=args.requests, max_keepalive_connections=args.requests)
+                    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+                        async def send(index: int, num_samples: int):
+                            path, payload = body(index, num_samples, num_images)
+                            response = await client.post(path, json=payload)
+                            response.raise_for_status()
+
+                        return await measure(args, num_images, lambda index: send(index, 1),
+                                             lambda count: send(0, count))
+
+                results.append(asyncio.run(shape()))
+                print(f"raw-vllm: {results[-1]}", flush=True)
+        return {"shapes": results, "peak_memory_gib": memory.peak}
+    finally:
+        import os
+        import signal
+
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=120)
+
+
+def print_table(results: dict) -> None:
+    print(f"\n| side | images | idle p50 ms | burst s | requests/s | p50 ms | p99 ms | one request of N samples s "
+          f"| burst / one | peak memory GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for side, result in results.items():
+        for shape in result["shapes"]:
+            print(f"| {side} | {shape['images']} | {shape['idle_p50_ms']:.1f} | {shape['burst_seconds']:.2f} | "
+                  f"{shape['requests_per_second']:.0f} | {shape['p50_ms']:.0f} | {shape['p99_ms']:.0f} | "
+                  f"{shape['many_seconds']:.2f} | {shape['ratio']:.1f} | {result['peak_memory_gib']:.2f} |")
+
+
+def main() -> None:
+    args = parse_args()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    (args.work_dir / "models").mkdir(exist_ok=True)
+    results = {}
+    for side in args.sides.split(","):
+        results[side] = run_raw_vllm(args) if side == "raw-vllm" else run_server(args, side)
+    print(f"\n{args.requests} requests of {args.max_tokens} new tokens, {args.base_model} on {args.device} "
+          f"({args.dtype})")
+    print_table(results)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
+                                        indent=1))
+
+
+if __name__ == "__main__":
+    main()
