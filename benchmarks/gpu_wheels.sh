@@ -12,7 +12,8 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
            --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux1_x86_64)
 # The versions the suite passed with: requirements/test.lock's.
 packages=(pydantic pydantic-core annotated-types typing-inspection fastapi annotated-doc starlette opentelemetry-api
-          uvicorn sqlalchemy alembic mako zstandard tinker orjson pyqwest distro sniffio h2 hpack hyperframe
+          uvicorn httptools uvloop sqlalchemy alembic mako zstandard tinker orjson pyqwest distro sniffio h2 hpack
+          hyperframe
           transformers psycopg psycopg-binary "$@")
 pins=()
 for package in "${packages[@]}"; do

@@ -27,7 +27,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
