@@ -158,10 +158,15 @@ class SamplerConfig:
     sizes vLLM's encoder-cache profiling). Multi-turn VLM episodes add an image per turn."""
     max_batch_tokens: int = 65536
     """Cache positions the embedded engine's running batch may hold (rows x padded length)."""
+    prefix_cache_bytes: int = 2 << 30
+    """Keys and values of earlier prompts and conversations the embedded engine keeps, so that a prompt that
+    starts like one of them (a conversation's next turn) runs only from where they part; 0 keeps none."""
 
     def __post_init__(self):
         if self.max_images_per_prompt < 1 or self.max_batch_tokens < 1:
             raise ValueError("max_images_per_prompt and max_batch_tokens must be positive")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.engine not in ("embedded", "vllm"):
             raise ValueError(f"sampler engine must be embedded or vllm, got {self.engine!r}")
         if (self.engine == "vllm") != (self.vllm is not None):
@@ -340,6 +345,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="images one sampling prompt may hold (on every engine; also vLLM's limit)")
     parser.add_argument("--sampler-max-batch-tokens", type=int, default=SamplerConfig.max_batch_tokens,
                         help="cache positions (rows x length) the embedded sampler's running batch may hold")
+    parser.add_argument("--prefix-cache-gb", type=float, default=SamplerConfig.prefix_cache_bytes / (1 << 30),
+                        help="GiB of earlier prompts' keys and values the embedded sampler keeps on its device, so "
+                             "that a conversation's next turn runs only its new tokens (0: none)")
     parser.add_argument("--vllm-python", type=Path, default=None,
                         help=f"interpreter of the vLLM venv (default: the one scripts/install_vllm.sh builds, "
                              f"{DEFAULT_VLLM_PYTHON})")
@@ -402,7 +410,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                               master_port=int(os.environ.get("MASTER_PORT", 0))),
         sampler=SamplerConfig(engine=args.sampler, vllm=_vllm_config(args) if args.sampler == "vllm" else None,
                               max_images_per_prompt=args.max_images_per_prompt,
-                              max_batch_tokens=args.sampler_max_batch_tokens),
+                              max_batch_tokens=args.sampler_max_batch_tokens,
+                              prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30))),
         client=ClientFlagsConfig(fwdbwd_max_chunk_len=args.fwdbwd_chunk_len))
 
 

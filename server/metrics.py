@@ -23,8 +23,10 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS, registry=self.registry)
         self.queue_depth = Gauge("tinker_run_queue_depth", "Requests of a training run queued or running",
                                  ["model_id"], registry=self.registry)
-        self.tokens = Counter("tinker_tokens", "Tokens processed: trained (forward/backward input positions) and "
-                              "sampled (generated); rate() gives tokens/s", ["kind"], registry=self.registry)
+        self.tokens = Counter("tinker_tokens", "Tokens processed: trained (forward/backward input positions), "
+                              "sampled (generated), and sampling prompts' positions taken from the prefix cache "
+                              "(prompt_cached) or run (prompt_computed); rate() gives tokens/s", ["kind"],
+                              registry=self.registry)
         self.pass_runs = Histogram("tinker_training_pass_runs", "Training runs whose forward_backward datums "
                                    "shared one pass", buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
         self.unjournaled = Gauge("tinker_unjournaled_outcomes", "Finished requests whose outcome the journal "

@@ -200,9 +200,12 @@ async def asample(request: Request) -> UntypedAPIFuture:
             target_logprobs = (values, sample.target_prompt_logprobs)
         alt = output.prompt_alt_tokens
         services.metrics.count_tokens("sampled", sum(len(s.tokens) for s in sequences))
+        services.metrics.count_tokens("prompt_cached", output.prompt_cache_hit_tokens)
+        services.metrics.count_tokens("prompt_computed", prompt.num_positions - output.prompt_cache_hit_tokens)
         return encode_sample_response(sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk,
                                       target_prompt_logprobs=target_logprobs,
-                                      prompt_alt_tokens=alt and (alt.tokens, alt.logprobs)), PROTOBUF
+                                      prompt_alt_tokens=alt and (alt.tokens, alt.logprobs),
+                                      prompt_cache_hit_tokens=output.prompt_cache_hit_tokens), PROTOBUF
 
     # Recording writes to the journal, and prompt logprobs make large payloads: both off the event loop.
     respond_in_thread = sample.record_stability_info or logprobs.scores_prompt or bool(logprobs.topk_sample_logprobs)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -43,6 +44,7 @@ from server.models.vision_features import VisionEncoder
 from server.rendering.chunks import position_ids
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.draws import best_alternatives, draw, sample_tokens, seeded_generator
+from server.sampling.prefix_cache import PrefixCache, Segment, block_keys, content_ids
 from server.sampling.types import PromptAltTokens, SampledSequence, SampleOutput, SamplingRequest
 from server.training.lora import AdapterSlot, AdapterStack, LoraAdapter, apply_lora_wrappers, use_adapter_rows
 
@@ -99,7 +101,7 @@ class EmbeddedEngine:
     """Continuous batching over one model copy, loaded by the engine thread on the first request."""
 
     def __init__(self, load: Callable[[], EngineModel], adapters: SamplerAdapters | None = None, *,
-                 max_batch_tokens: int = 65536):
+                 max_batch_tokens: int = 65536, prefix_cache_bytes: int = 0):
         """
         Args:
             load: builds the engine's model copy; called once, on the engine thread.
@@ -107,10 +109,13 @@ class EmbeddedEngine:
             max_batch_tokens: cache positions the batch may hold (rows times padded length, counted
                 to where each row may end); a request's samples wait while they do not fit (part of
                 them may join), except that a request alone in an empty batch always gets a row.
+            prefix_cache_bytes: keys and values of earlier sequences kept for the prompts that start like
+                them (prefix_cache.py); 0 keeps none.
         """
         self._load = load
         self.adapters = adapters
         self.max_batch_tokens = max_batch_tokens
+        self.prefix_cache_bytes = prefix_cache_bytes
         self._waiting: queue.SimpleQueue[_Waiting | None] = queue.SimpleQueue()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-loader")
         self._lock = threading.Lock()
@@ -122,7 +127,7 @@ class EmbeddedEngine:
                   sampler: SamplerConfig) -> "EmbeddedEngine":
         """An engine over its own copy of the base model: a server whose clients never use it never loads it."""
         return cls(lambda: load_engine_model(model, feature_cache_bytes), adapters,
-                   max_batch_tokens=sampler.max_batch_tokens)
+                   max_batch_tokens=sampler.max_batch_tokens, prefix_cache_bytes=sampler.prefix_cache_bytes)
 
     def submit(self, request: SamplingRequest) -> Future:
         """Queue one request for the running batch; its future completes when its last sample stops.
@@ -176,7 +181,7 @@ class EmbeddedEngine:
     def _serve(self) -> None:
         """The engine thread: load the model, then admit, prefill and decode until closed."""
         try:
-            batch = _Batch(self._load(), self.max_batch_tokens)
+            batch = _Batch(self._load(), self.max_batch_tokens, self.prefix_cache_bytes)
         except Exception as error:
             logger.exception("the embedded sampling engine could not load its model")
             failure = EngineUnavailable(f"the embedded sampling engine could not load its model: {error}")
@@ -250,6 +255,8 @@ class _Active:
         self.stop_window = max((len(s.encode()) for s in options.stop_strings), default=0) + _STOP_WINDOW_MARGIN
         self.output = SampleOutput(sequences=self.sequences)
         """The result: the first prefill fills in what the request asks of its prompt, decoding the sequences."""
+        self.view: _PromptView | None = None
+        """Its prompt as the batch prefills it, worked out at its first prefill."""
 
     @property
     def rows_waiting(self) -> int:
@@ -266,6 +273,43 @@ class _Active:
 
     def waits_below_share(self, max_batch_tokens: int) -> bool:
         return self.rows_waiting > 0 and self.rows_running < self.share_rows(max_batch_tokens)
+
+
+@dataclass
+class _PromptView:
+    """What prefilling a request's prompt takes, worked out once, on the engine thread."""
+
+    sequence: list[int]
+    """The expanded token ids (one pad per image token)."""
+    positions: torch.Tensor
+    """int64 [3, L] (M-RoPE models) or [L]: rope positions."""
+    image_spans: list[tuple[int, int]]
+    """(first position, number of positions) of each image, in order."""
+    content: np.ndarray
+    """int64 [L]: the prefix cache's view of each position (prefix_cache.content_ids)."""
+    block_keys: list[bytes]
+    """The prefix cache's keys of its full blocks."""
+    salt: str
+    """What sets its keys apart beside the content: the adapter's name."""
+
+    def outside_images(self, length: int) -> int:
+        """The longest prefix of at most `length` positions that ends outside every image."""
+        for start, count in self.image_spans:
+            if start < length < start + count:
+                return start
+        return length
+
+
+@dataclass
+class _Prefill:
+    """How one part is prefilled: its prompt's last positions, after `cached` taken from a cached segment."""
+
+    part: "_Part"
+    view: _PromptView
+    segment: Segment | None
+    cached: int
+    matched: int
+    """The cached prefix found (whole blocks), before `cached` was cut back to what the forward takes."""
 
 
 @dataclass
@@ -353,9 +397,10 @@ class _Line:
 class _Batch:
     """The running batch, owned by the engine thread: row r of every tensor is sample `rows[r]`."""
 
-    def __init__(self, engine_model: EngineModel, max_batch_tokens: int):
+    def __init__(self, engine_model: EngineModel, max_batch_tokens: int, prefix_cache_bytes: int = 0):
         self.m = engine_model
         self.max_batch_tokens = max_batch_tokens
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self.device = engine_model.device
         self.dtype = next(engine_model.model.parameters()).dtype
         self.refused_M = refused_ids_tensor(engine_model.refused_token_ids, self.device)
@@ -393,23 +438,66 @@ class _Batch:
         return max(0, self.max_batch_tokens // (width + remaining) - len(self.rows) - joining.num_rows)
 
     def prefill(self, parts: list[_Part]) -> None:
-        """Prefill the newcomers' prompts together, sample their first tokens and merge them into the batch."""
+        """Prefill the newcomers' prompts, sample their first tokens and merge them into the batch: those that
+        start like a cached sequence from where they part, together, and the others together."""
+        plans = [self._plan(part) for part in parts]
+        for group in ([plan for plan in plans if not plan.cached], [plan for plan in plans if plan.cached]):
+            if group:
+                self._prefill_group(group)
+
+    def _plan(self, part: _Part) -> _Prefill:
+        """How much of a part's prompt the prefix cache gives (none where the request scores its prompt)."""
+        view = self._view(part.active)
+        if self.prefix_cache is None or (part.active.request.logprobs.scores_prompt and part.first == 0):
+            return _Prefill(part, view, None, 0, 0)
+        segment, matched = self.prefix_cache.longest(view.block_keys)
+        # The last position is always run: its logits give the first token.
+        cached = view.outside_images(min(matched, len(view.sequence) - 1))
+        return _Prefill(part, view, segment if cached else None, cached, matched)
+
+    def _view(self, active: _Active) -> _PromptView:
+        if active.view is None:
+            prompt = active.request.prompt
+            sequence = prompt.expanded_token_ids()
+            vision = self.m.vision
+            positions = position_ids(prompt, vision) if vision else torch.arange(len(sequence))
+            spans, position, images = [], 0, iter(prompt.images)
+            for segment in prompt.segments():
+                count = segment if isinstance(segment, int) else next(images).num_tokens
+                if not isinstance(segment, int):
+                    spans.append((position, count))
+                position += count
+            content = content_ids(sequence, [(image.sha256, start, count)
+                                             for image, (start, count) in zip(prompt.images, spans)])
+            salt = active.request.adapter.name if active.request.adapter is not None else ""
+            active.view = _PromptView(sequence, positions, spans, content,
+                                      block_keys(content, salt) if self.prefix_cache is not None else [], salt)
+        return active.view
+
+    def _prefill_group(self, plans: list[_Prefill]) -> None:
+        """Prefill these parts together, sample their first tokens and merge them into the batch."""
+        parts = [plan.part for plan in plans]
         actives = [part.active for part in parts]
         try:
             self._use_adapters([a.adapter for a, _ in self.rows] + [a.adapter for a in actives])
-            cache, mask_MP, next_position_M, last_logits_MV = self._prefill_forward(parts)
+            cache, mask_MP, next_position_M, last_logits_MV = self._prefill_forward(plans)
         except Exception as error:
             # The newcomers' own failure (bad input, out of memory): the running batch is untouched.
             # Alone, each one fails only for what is wrong with it (with its rows already running).
             self._use_adapters([a.adapter for a, _ in self.rows])
-            if len(parts) > 1:
-                for part in parts:
-                    self.prefill([part])
+            if len(plans) > 1:
+                for plan in plans:
+                    self._prefill_group([plan])
                 return
             logger.exception("prefill of a sampling request failed")
             actives[0].future.set_exception(_as_server_error(error))
             self._drop_finished()
             return
+        for row, plan in enumerate(plans):
+            if plan.part.first == 0:
+                plan.part.active.output.prompt_cache_hit_tokens = plan.cached
+            if self.prefix_cache is not None and len(plan.view.block_keys) * self.prefix_cache.block_tokens > plan.matched:
+                self._keep(cache, row, len(plan.view.sequence), plan.view.block_keys)
         samples_M = torch.tensor([part.count for part in parts], device=self.device)
         expand_R = torch.repeat_interleave(torch.arange(len(parts), device=self.device), samples_M)
         cache.batch_select_indices(expand_R)
@@ -419,41 +507,77 @@ class _Batch:
         self._sample(last_logits_MV[expand_R], range(first, len(self.rows)))
         self._drop_finished()
 
-    def _prefill_forward(self, parts: list[_Part]):
-        """One forward over the newcomers' prompts, left-padded; returns their cache, mask, next
-        positions and last logits, and fills in the prompt logprobs of requests starting now."""
-        actives = [part.active for part in parts]
-        prompts = [a.request.prompt for a in actives]
-        sequences = [p.expanded_token_ids() for p in prompts]
-        width = max(len(s) for s in sequences)
+    def _prefill_forward(self, plans: list[_Prefill]):
+        """One forward over the newcomers' prompts after their cached prefixes; returns their cache, mask, next
+        positions and last logits, and fills in the prompt logprobs of requests starting now.
+
+        Row m of the cache holds its prompt's positions as its last ones: first its cached prefix (from its
+        segment, left-padded to the longest one), then the positions it runs (left-padded to the most any
+        row runs). A row runs at least what it did not find cached, and more where another row of the group
+        runs more (its cached prefix is cut back to keep the input rectangular, never inside an image).
+        """
+        width = max(len(plan.view.sequence) - plan.cached for plan in plans)
+        while True:  # cutting a prefix back out of an image makes that row run more: widen until none does
+            cached = [plan.view.outside_images(min(plan.cached, max(0, len(plan.view.sequence) - width)))
+                      for plan in plans]
+            widest = max(len(plan.view.sequence) - c for plan, c in zip(plans, cached))
+            if widest == width:
+                break
+            width = widest
+        past = max(cached)
+        for plan, prefix in zip(plans, cached):
+            plan.cached = prefix
         vision = self.m.vision
-        input_ids_MP = torch.zeros(len(actives), width, dtype=torch.long)
-        mask_MP = torch.zeros(len(actives), width, dtype=torch.long)
-        positions = torch.zeros((3, len(actives), width) if vision else (len(actives), width), dtype=torch.long)
-        for row, (prompt, sequence) in enumerate(zip(prompts, sequences)):
-            start = width - len(sequence)
-            input_ids_MP[row, start:] = torch.tensor(sequence)
-            mask_MP[row, start:] = 1
-            positions[..., row, start:] = (position_ids(prompt, vision) if vision
-                                           else torch.arange(len(sequence)))
-        next_position_M = positions.reshape(-1, len(actives), width).amax(dim=(0, 2)) + 1
+        input_ids_MN = torch.zeros(len(plans), width, dtype=torch.long)
+        mask_MP = torch.zeros(len(plans), past + width, dtype=torch.long)
+        positions = torch.zeros((3, len(plans), width) if vision else (len(plans), width), dtype=torch.long)
+        images = []
+        for row, (plan, prefix) in enumerate(zip(plans, cached)):
+            run = len(plan.view.sequence) - prefix
+            input_ids_MN[row, width - run:] = torch.tensor(plan.view.sequence[prefix:])
+            mask_MP[row, past - prefix:past] = 1
+            mask_MP[row, past + width - run:] = 1
+            positions[..., row, width - run:] = plan.view.positions[..., prefix:]
+            prompt_images = plan.part.active.request.prompt.images
+            images += [image for image, (start, _) in zip(prompt_images, plan.view.image_spans) if start >= prefix]
+        next_position_M = torch.tensor([int(plan.view.positions.max()) + 1 for plan in plans])
         kwargs = {}
-        images = [image for prompt in prompts for image in prompt.images]
         if images:
             kwargs["mm_encoder_outputs"] = self.m.vision_encoder.encoder_outputs(images)
-        adapter_M = self._adapter_indices([a.adapter for a in actives])
+        adapter_M = self._adapter_indices([plan.part.active.adapter for plan in plans])
         cache = DynamicCache()
+        if past:
+            layers = next(len(plan.segment.keys_HLD) for plan in plans if plan.cached)
+            for layer in range(layers):
+                cache.update(self._past(plans, past, layer, "keys_HLD"), self._past(plans, past, layer, "values_HLD"),
+                             layer)
         with torch.no_grad(), self._rows(adapter_M):
-            hidden_MPD = self.m.model.model(
-                input_ids=input_ids_MP.to(self.device), attention_mask=mask_MP.to(self.device),
+            hidden_MND = self.m.model.model(
+                input_ids=input_ids_MN.to(self.device), attention_mask=mask_MP.to(self.device),
                 position_ids=positions.to(self.device), past_key_values=cache, use_cache=True, **kwargs,
             ).last_hidden_state
-            last_logits_MV = self.m.model.lm_head(hidden_MPD[:, -1:]).float()[:, 0]
-        for row, (part, sequence) in enumerate(zip(parts, sequences)):
-            active = part.active
-            if active.request.logprobs.scores_prompt and part.first == 0:
-                self._score_prompt(active, hidden_MPD[row, width - len(sequence):], sequence, adapter_M[row:row + 1])
+            last_logits_MV = self.m.model.lm_head(hidden_MND[:, -1:]).float()[:, 0]
+        for row, plan in enumerate(plans):
+            active, sequence = plan.part.active, plan.view.sequence
+            if active.request.logprobs.scores_prompt and plan.part.first == 0:  # never cached: it runs whole
+                self._score_prompt(active, hidden_MND[row, width - len(sequence):], sequence, adapter_M[row:row + 1])
         return cache, mask_MP.to(self.device), next_position_M.to(self.device), last_logits_MV
+
+    def _keep(self, cache: DynamicCache, row: int, length: int, keys: list[bytes]) -> None:
+        """Put a row's first `length` positions (its last ones in the cache) into the prefix cache, as copies."""
+        self.prefix_cache.insert(keys, [layer.keys[row, :, -length:].clone() for layer in cache.layers],
+                                 [layer.values[row, :, -length:].clone() for layer in cache.layers])
+
+    @staticmethod
+    def _past(plans: list[_Prefill], past: int, layer: int, kind: str) -> torch.Tensor:
+        """[M, H, past, D]: each row's cached prefix of one layer's keys or values, left-padded with zeros."""
+        reference = next(getattr(plan.segment, kind)[layer] for plan in plans if plan.cached)
+        heads, _, dim = reference.shape
+        tensor = reference.new_zeros(len(plans), heads, past, dim)
+        for row, plan in enumerate(plans):
+            if plan.cached:
+                tensor[row, :, past - plan.cached:] = getattr(plan.segment, kind)[layer][:, :plan.cached]
+        return tensor
 
     def _score_prompt(self, active: _Active, hidden_LD: torch.Tensor, sequence: list[int],
                       adapter_1: torch.Tensor) -> None:
@@ -605,6 +729,11 @@ class _Batch:
         keep = [row for row, (active, sample) in enumerate(self.rows) if not _stopped(active, sample)]
         if len(keep) == len(self.rows):
             return
+        if self.prefix_cache is not None:
+            kept = set(keep)
+            for row, (active, _) in enumerate(self.rows):
+                if row not in kept and active.request.num_samples == 1 and active.future.exception() is None:
+                    self._keep_conversation(row, active)
         if not keep:
             self._empty()
             return
@@ -619,6 +748,16 @@ class _Batch:
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[..., first_used:, :], layer.values[..., first_used:, :]
             self.mask_RL = self.mask_RL[:, first_used:]
+
+    def _keep_conversation(self, row: int, active: _Active) -> None:
+        """Put a finished request's prompt and completion into the prefix cache: a conversation's next turn
+        starts with them. The last token was sampled, never run, so its keys and values do not exist yet."""
+        view, tokens = active.view, active.sequences[0].tokens
+        content = np.concatenate([view.content, np.asarray(tokens[:-1], dtype=np.int64)])
+        keys = view.block_keys + block_keys(content, view.salt, previous=view.block_keys[-1] if view.block_keys
+                                            else None, first_block=len(view.block_keys))
+        if len(keys) > len(view.block_keys):
+            self._keep(self.cache, row, len(content), keys)
 
     def fail_all(self, error: Exception) -> None:
         """Fail every request in the batch (the engine itself goes on) and empty it."""

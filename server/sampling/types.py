@@ -151,3 +151,5 @@ class SampleOutput:
     """float32 [N]: the logprob of each cell of the request's PromptTargets, in order (0 where the id
     is a media placeholder, which is given, never predicted)."""
     prompt_alt_tokens: PromptAltTokens | None = None
+    prompt_cache_hit_tokens: int = 0
+    """Prompt positions the engine took from its prefix cache instead of running them."""

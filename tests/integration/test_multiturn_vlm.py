@@ -56,6 +56,10 @@ def test_the_grid_walk_example_trains_with_the_cookbooks_rl_loop(vlm_server, mod
         # per turn (the cookbook's fallback when an observation does not extend the last one) trains more.
         assert row["tokens/trained"] < row["env/all/total_ob_tokens"]
         assert abs(row["optim/kl_sample_train_v1"]) < 1e-3  # stable_reinforce on sampler-recorded sequences
+    # A turn's prompt is the last one, its completion and a new observation: the engine ran only what was new.
+    cached = vlm_server.metric("tinker_tokens_total", kind="prompt_cached")
+    computed = vlm_server.metric("tinker_tokens_total", kind="prompt_computed")
+    assert cached > 0, (cached, computed)
 
 
 def test_the_grid_walk_example_trains_on_the_bare_sdk_one_datum_per_episode(client):

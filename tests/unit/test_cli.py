@@ -45,6 +45,7 @@ CLI_OPTIONS = {
     "--sampler",
     "--max-images-per-prompt",
     "--sampler-max-batch-tokens",
+    "--prefix-cache-gb",
     "--vllm-python",
     "--vllm-url",
     "--vllm-max-num-seqs",

@@ -16,10 +16,10 @@ from server.errors import EngineUnavailable
 from server.rendering.chunks import RenderedInput, render_model_input
 from server.sampling.embedded import EmbeddedEngine, load_engine_model
 from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
-from server.training.lora import (LoraAdapter, LoraLinear, LoraTarget, apply_lora_wrappers, select_targets,
-                                  use_adapter)
+from server.training.lora import LoraAdapter, LoraLinear, apply_lora_wrappers, use_adapter
 from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
 
+from support.adapters import adapter
 from support.vision import context_for, encode, load, noise_image
 
 BASE_MODEL = "builtin:tiny-qwen2-vl"
@@ -68,15 +68,6 @@ def engine(models_dir):
     engine, _ = engine_for(models_dir)
     yield engine
     engine.close()
-
-
-def adapter(targets: list[LoraTarget], seed: int, rank: int, train_unembed: bool = True) -> LoraAdapter:
-    chosen = select_targets(targets, train_attn=True, train_mlp=True, train_unembed=train_unembed)
-    lora = LoraAdapter.initialize(chosen, rank, alpha=2.0 * rank, seed=seed, device="cpu").frozen_copy()
-    generator = torch.Generator().manual_seed(seed)
-    for name, lora_B in lora.lora_B.items():
-        lora.lora_B[name] = torch.randn(lora_B.shape, generator=generator) * 0.3
-    return lora
 
 
 def prompts(base) -> list[RenderedInput]:
