@@ -11,15 +11,15 @@ import threading
 import pytest
 import torch
 
-from server.config import ImageConfig, ModelConfig
+from server.config import ImageConfig
 from server.errors import EngineUnavailable
 from server.rendering.chunks import RenderedInput, render_model_input
-from server.sampling.embedded import EmbeddedEngine, load_engine_model
+from server.sampling.embedded import EmbeddedEngine
 from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
 from server.training.lora import LoraAdapter, LoraLinear, apply_lora_wrappers, use_adapter
 from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
 
-from support.adapters import adapter
+from support.engines import adapter, logged_engine
 from support.vision import context_for, encode, load, noise_image
 
 BASE_MODEL = "builtin:tiny-qwen2-vl"
@@ -38,22 +38,12 @@ def engine_for(models_dir, row_ranks: list | None = None, **kwargs) -> tuple[Emb
     each forward's LoRA rank per row (0: the base model), which tells requests of different adapters apart."""
     forwards = []
 
-    def build():
-        engine_model = load_engine_model(ModelConfig(base_model=BASE_MODEL, model_path=None,
-                                                     model_cache_dir=models_dir), 1 << 26)
-        inner = engine_model.model.model
-        forward = inner.forward
+    def log(engine_model, call):
+        forwards.append(tuple(call["attention_mask"].shape))
+        if row_ranks is not None:
+            row_ranks.append(adapter_rank_per_row(engine_model.slot.layers[0], forwards[-1][0]))
 
-        def logged(*args, **call):
-            forwards.append(tuple(call["attention_mask"].shape))
-            if row_ranks is not None:
-                row_ranks.append(adapter_rank_per_row(engine_model.slot.layers[0], forwards[-1][0]))
-            return forward(*args, **call)
-
-        inner.forward = logged
-        return engine_model
-
-    return EmbeddedEngine(build, **kwargs), forwards
+    return logged_engine(BASE_MODEL, models_dir, log, **kwargs), forwards
 
 
 def adapter_rank_per_row(layer: LoraLinear, num_rows: int) -> list[int]:

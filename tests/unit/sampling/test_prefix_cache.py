@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from server.config import ImageConfig, ModelConfig
+from server.config import ImageConfig
 from server.rendering.chunks import RenderedInput, render_model_input
-from server.sampling.embedded import EmbeddedEngine, load_engine_model
+from server.sampling.embedded import EmbeddedEngine
 from server.sampling.prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys, content_ids
 from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
 from server.training.lora import apply_lora_wrappers
 from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
 
-from support.adapters import adapter
+from support.engines import adapter, logged_engine
 from support.vision import context_for, encode, load, noise_image
 
 BASE_MODEL = "builtin:tiny-qwen2-vl"
@@ -26,21 +26,9 @@ GREEDY = SamplingOptions(max_tokens=8, temperature=0.0)
 def engine_for(models_dir, prefix_cache_bytes: int) -> tuple[EmbeddedEngine, list[int]]:
     """An engine, and the list its forwards log their input width to (positions run per row)."""
     widths = []
-
-    def build():
-        engine_model = load_engine_model(ModelConfig(base_model=BASE_MODEL, model_path=None,
-                                                     model_cache_dir=models_dir), 1 << 26)
-        inner = engine_model.model.model
-        forward = inner.forward
-
-        def logged(*args, **call):
-            widths.append(call["input_ids"].shape[1])
-            return forward(*args, **call)
-
-        inner.forward = logged
-        return engine_model
-
-    return EmbeddedEngine(build, prefix_cache_bytes=prefix_cache_bytes), widths
+    engine = logged_engine(BASE_MODEL, models_dir, lambda _, call: widths.append(call["input_ids"].shape[1]),
+                           prefix_cache_bytes=prefix_cache_bytes)
+    return engine, widths
 
 
 @pytest.fixture(scope="module")

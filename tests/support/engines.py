@@ -1,0 +1,41 @@
+"""For the embedded engine's tests: an engine whose forwards report what they are given, and random LoRA
+adapters (their B matrices are not zero, so each samples differently from the base model and the others)."""
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from server.config import ModelConfig
+from server.sampling.embedded import EmbeddedEngine, EngineModel, load_engine_model
+from server.training.lora import LoraAdapter, LoraTarget, select_targets
+
+
+def logged_engine(base_model: str, models_dir: Path, log: Callable[[EngineModel, dict], None],
+                  **engine_options) -> EmbeddedEngine:
+    """An engine on the built-in `base_model` whose language model calls `log(engine_model, kwargs)` before
+    each forward."""
+
+    def build():
+        engine_model = load_engine_model(ModelConfig(base_model=base_model, model_path=None,
+                                                     model_cache_dir=models_dir), 1 << 26)
+        inner = engine_model.model.model
+        forward = inner.forward
+
+        def logged(*args, **call):
+            log(engine_model, call)
+            return forward(*args, **call)
+
+        inner.forward = logged
+        return engine_model
+
+    return EmbeddedEngine(build, **engine_options)
+
+
+def adapter(targets: list[LoraTarget], seed: int, rank: int, train_unembed: bool = True) -> LoraAdapter:
+    chosen = select_targets(targets, train_attn=True, train_mlp=True, train_unembed=train_unembed)
+    lora = LoraAdapter.initialize(chosen, rank, alpha=2.0 * rank, seed=seed, device="cpu").frozen_copy()
+    generator = torch.Generator().manual_seed(seed)
+    for name, lora_B in lora.lora_B.items():
+        lora.lora_B[name] = torch.randn(lora_B.shape, generator=generator) * 0.3
+    return lora
