@@ -17,7 +17,7 @@ packages=(pydantic pydantic-core annotated-types typing-inspection fastapi annot
           transformers psycopg psycopg-binary "$@")
 pins=()
 for package in "${packages[@]}"; do
-    pins+=("$(cat requirements/test.lock requirements/cookbook.lock | grep -m 1 -oE "^$package==[^ ;]+")")
+    pins+=("$(grep -h -m 1 -oE "^$package==[^ ;]+" requirements/test.lock requirements/cookbook.lock)")
 done
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl "${pins[@]}"

@@ -3,6 +3,8 @@
     python -m benchmarks.rollout                                   (CPU: builtin:tiny-qwen2-vl, float32)
     python -m benchmarks.rollout --device cuda --dtype bfloat16 --requests 256
     python -m benchmarks.rollout --sides server,server-vllm,raw-vllm --vllm-python .venv-vllm/bin/python
+    python -m benchmarks.rollout --sides grid-walk --base-model builtin:smollm2-135m-qwen2-vl --device cuda \
+        --dtype bfloat16 --walk-steps 6
 
 The cookbook's RL loop samples each episode's next turn on its own: one request per episode per turn,
 `num_samples=1`, a handful of new tokens. For each prompt shape (0, 1 or 4 images) every side runs:
@@ -15,7 +17,13 @@ The ratio burst / one is what a request costs beyond its sample; 1.0 is the engi
 Sides: `server` (python -m server, embedded engine, driven by the tinker SDK), `server-vllm`
 (python -m server --sampler vllm, the SDK), `raw-vllm` (vLLM's own OpenAI server started with the
 flags the server gives its vLLM, driven over HTTP by one asyncio client, no server of ours). Peak memory
-is the RSS of each side's process tree (CPU) or the GPU memory in use. Speed is never asserted in
+is the RSS of each side's process tree (CPU) or the GPU memory in use.
+
+The side `grid-walk` is a multi-turn VLM RL step as users run one: the grid walk
+(client_compat/examples/grid_walk.py) through the cookbook's RL loop, `--walk-groups` grids x
+`--walk-group-size` attempts x up to 4 turns, each turn a one-sample request with a new picture. It
+prints each step's time, the part of it spent sampling, and the share of the sampling prompts'
+positions the engine took from its prefix cache instead of running them. Speed is never asserted in
 tests; record results in RESULTS.md with the machine and date.
 """
 
@@ -56,9 +64,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sides", default="server")
     parser.add_argument("--server-args", default="", help="more flags for python -m server")
     parser.add_argument("--vllm-python", type=Path, default=REPO_ROOT / ".venv-vllm" / "bin" / "python")
+    parser.add_argument("--walk-steps", type=int, default=6, help="grid-walk RL steps (the first is not counted)")
+    parser.add_argument("--walk-groups", type=int, default=32, help="grids per grid-walk step")
+    parser.add_argument("--walk-group-size", type=int, default=8, help="attempts per grid")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/rollout-bench"))
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     return parser.parse_args()
+
+
+def prompt_text(tokenizer, index: int) -> list[int]:
+    """About PROMPT_TOKENS tokens of plain text (never a special or placeholder token), its end its own."""
+    words = " ".join(["Walk to the square that the picture marks, one step at a time."] * 4)
+    return tokenizer.encode(words)[:PROMPT_TOKENS - 8] + tokenizer.encode(f" Episode {index}:")
 
 
 def make_images(count: int, seed: int) -> list[Image.Image]:
@@ -95,6 +112,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def measure(args, num_images: int, send_one, send_many) -> dict:
     """idle, burst and one-many-sample timings of one prompt shape, through `send_one(index)` and `send_many(n)`."""
+    await send_many(4)  # untimed: the engine loads its model copy on its first request
     idle = Timed()
     for index in range(args.idle):
         await idle.run(lambda _, index=index: send_one(10_000_000 + index), 1)
@@ -136,13 +154,11 @@ def run_server(args, side: str) -> dict:
         chunker = ImageChunker(training.get_info().model_data.tokenizer_id)
         sampler = training.save_weights_and_get_sampling_client().result()
         vision_start, vision_end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
-        rng = np.random.default_rng(0)
-        text = rng.integers(100, min(tokenizer.vocab_size, 4000), PROMPT_TOKENS).tolist()
         images = {}
 
         def prompt(index: int, num_images: int) -> types.ModelInput:
-            # Its own text (the index spelled in tokens) and its own images, as an RL step's episodes have.
-            chunks = [types.EncodedTextChunk(tokens=text + [100 + index % 1000, 100 + index // 1000 % 1000])]
+            # Its own text and its own images, as an RL step's episodes have.
+            chunks = [types.EncodedTextChunk(tokens=prompt_text(tokenizer, index))]
             for image_index in range(num_images):
                 key = (index, image_index)
                 if key not in images:
@@ -210,8 +226,6 @@ def run_raw_vllm(args) -> dict:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        rng = np.random.default_rng(0)
-        text = rng.integers(100, min(tokenizer.vocab_size, 4000), PROMPT_TOKENS).tolist()
 
         results = []
         with PeakMemory(args.device, lambda: process_tree(process.pid)) as memory:
@@ -219,7 +233,7 @@ def run_raw_vllm(args) -> dict:
                 urls = {}
 
                 def body(index: int, num_samples: int, num_images=num_images) -> tuple[str, dict]:
-                    ids = text + [100 + index % 1000, 100 + index // 1000 % 1000]
+                    ids = prompt_text(tokenizer, index)
                     common = {"model": args.base_model, "max_tokens": args.max_tokens, "n": num_samples,
                               "temperature": 1.0, "ignore_eos": True}
                     if num_images == 0:
@@ -258,9 +272,60 @@ def run_raw_vllm(args) -> dict:
         process.wait(timeout=120)
 
 
+def run_grid_walk(args) -> dict:
+    """(c): the grid walk's RL steps through the cookbook's loop, against `python -m server`."""
+    import os
+    import subprocess
+
+    from server.models.builtin import ensure_builtin_model
+
+    flags = ["--device", args.device, "--dtype", args.dtype, *args.server_args.split()]
+    server = start_server(args.work_dir / "grid-walk", None, args.work_dir / "models", *flags,
+                          base_model=args.base_model, startup_seconds=1800)
+    log = args.work_dir / "grid-walk" / "run"
+    try:
+        with PeakMemory(args.device, lambda: process_tree(server.process.pid)) as memory:
+            env = dict(os.environ, TINKER_API_KEY=server.api_key, TINKER_TELEMETRY="0",
+                       PYTHONPATH=os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+            model = args.base_model.removeprefix("builtin:")
+            done = subprocess.run(
+                [sys.executable, "-m", "client_compat.examples.grid_walk", f"model_name={args.base_model}",
+                 f"model_dir={ensure_builtin_model(model, args.work_dir / 'models')}", f"base_url={server.url}",
+                 f"log_path={log}", f"batch_size={args.walk_groups}", f"group_size={args.walk_group_size}",
+                 "max_turns=4", "max_tokens=4", f"max_steps={args.walk_steps}", "learning_rate=1e-3",
+                 "lora_rank=32"], env=env, capture_output=True, text=True, cwd=args.work_dir)
+            if done.returncode != 0:
+                raise SystemExit(done.stdout[-3000:] + done.stderr[-5000:])
+        rows = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+        steps = [{"step": row["step"], "seconds": row["time/total"], "sampling": row["time/sampling"],
+                  "episodes": row["env/all/total_episodes"], "turns": row["env/all/turns_per_episode"]}
+                 for row in rows if "time/total" in row and "time/sampling" in row]
+        cached = server.metric("tinker_tokens_total", kind="prompt_cached")
+        computed = server.metric("tinker_tokens_total", kind="prompt_computed")
+        return {"steps": steps, "prompt_cached": cached, "prompt_computed": computed,
+                "peak_memory_gib": memory.peak}
+    finally:
+        server.stop(timeout=120)
+
+
+def print_walk(result: dict) -> None:
+    print("\n| step | seconds | sampling s | sampling share | episodes | turns per episode |")
+    print("|---|---|---|---|---|---|")
+    for step in result["steps"]:
+        print(f"| {step['step']} | {step['seconds']:.2f} | {step['sampling']:.2f} | "
+              f"{step['sampling'] / step['seconds']:.0%} | {step['episodes']:.0f} | {step['turns']:.2f} |")
+    timed = result["steps"][1:]  # the first step warms up
+    seconds = statistics.median(step["seconds"] for step in timed)
+    share = statistics.median(step["sampling"] / step["seconds"] for step in timed)
+    positions = result["prompt_cached"] + result["prompt_computed"]
+    print(f"\nmedian step {seconds:.2f} s, sampling {share:.0%} of it; prompt positions from the prefix cache: "
+          f"{result['prompt_cached'] / max(positions, 1):.0%} of {positions:.0f}; peak memory "
+          f"{result['peak_memory_gib']:.2f} GiB")
+
+
 def print_table(results: dict) -> None:
-    print(f"\n| side | images | idle p50 ms | burst s | requests/s | p50 ms | p99 ms | one request of N samples s "
-          f"| burst / one | peak memory GiB |")
+    print("\n| side | images | idle p50 ms | burst s | requests/s | p50 ms | p99 ms | one request of N samples s "
+          "| burst / one | peak memory GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for side, result in results.items():
         for shape in result["shapes"]:
@@ -275,10 +340,15 @@ def main() -> None:
     (args.work_dir / "models").mkdir(exist_ok=True)
     results = {}
     for side in args.sides.split(","):
-        results[side] = run_raw_vllm(args) if side == "raw-vllm" else run_server(args, side)
-    print(f"\n{args.requests} requests of {args.max_tokens} new tokens, {args.base_model} on {args.device} "
-          f"({args.dtype})")
-    print_table(results)
+        runs = {"raw-vllm": run_raw_vllm, "grid-walk": run_grid_walk}
+        results[side] = runs[side](args) if side in runs else run_server(args, side)
+    print(f"\n{args.base_model} on {args.device} ({args.dtype})")
+    if "grid-walk" in results:
+        print_walk(results["grid-walk"])
+    requests = {side: result for side, result in results.items() if side != "grid-walk"}
+    if requests:
+        print(f"\n{args.requests} requests of {args.max_tokens} new tokens")
+        print_table(requests)
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
                                         indent=1))

@@ -4,9 +4,9 @@
 data directory and database), loads the model before the first request is served, prints the
 banner (with the first API key, once), and on shutdown stops taking work and ends every future
 within a bounded time.
-The error handlers turn `TinkerServerError`, validation errors and anything unexpected into a
-4xx/5xx with a body that says what is wrong (never a server path), and give a refused training
-request its seq_id so its run goes on.
+The error handler turns `TinkerServerError`, validation errors and anything unexpected into a
+4xx/5xx with a body that says what is wrong (never a server path), and gives a refused training
+request its seq_id so its run goes on. `HotRoutes` serves the sampling hot path ahead of FastAPI.
 """
 
 import asyncio
@@ -14,10 +14,11 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -161,7 +162,51 @@ class RequestMetrics:
             self.metrics.http_requests.labels(route, scope["method"], str(status[0])).inc()
 
 
-def create_app(config: ServerConfig) -> FastAPI:
+class HotRoutes:
+    """ASGI front of the two requests every sample takes (`asample`, then `retrieve_future`), served here before
+    FastAPI's middleware, routing and dependency resolution, which cost more than their own work (a sample
+    request is thousands a second in RL; benchmarks/RESULTS.md). They authenticate themselves, count in the
+    metrics and refuse what they refuse exactly as the app does. Every other request goes to the app."""
+
+    def __init__(self, app: FastAPI, metrics: ServerMetrics,
+                 refuse: Callable[[Request, Exception], Awaitable[JSONResponse]]):
+        self.app, self.metrics, self.refuse = app, metrics, refuse
+        self.state = app.state
+        self.routes = {"/api/v1/asample": sampling.asample, "/api/v1/retrieve_future": futures.retrieve_future}
+
+    async def __call__(self, scope, receive, send):
+        endpoint = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if endpoint is None:
+            return await self.app(scope, receive, send)
+        scope["app"] = self.app  # what request.app finds: the services
+        request = Request(scope, receive)
+        try:
+            result = await endpoint(request)
+            response = result if isinstance(result, Response) else Response(result.model_dump_json(),
+                                                                             media_type="application/json")
+        except Exception as error:
+            response = await self.refuse(request, error)
+        await response(scope, receive, send)
+        self.metrics.http_requests.labels(scope["path"], "POST", str(response.status_code)).inc()
+
+
+def refusal_of(error: Exception, path: str) -> TinkerServerError:
+    """What a client is told of anything its request raised (an error that tells it nothing is logged in full)."""
+    if isinstance(error, TinkerServerError):
+        return error
+    if isinstance(error, (RequestValidationError, ValidationError)):
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
+        return InvalidRequest(f"invalid request: {problems}")
+    if isinstance(error, (OSError, SQLAlchemyError)):
+        failure = storage_failure(error, "handle this request")
+        logger.warning("event=request_failed route=%s error=%r", path, str(failure))
+        return failure
+    logger.error("event=request_failed route=%s", path, exc_info=error)
+    return TinkerServerError(f"internal error ({type(error).__name__}); the server log has the details")
+
+
+def create_app(config: ServerConfig) -> HotRoutes:
+    """The ASGI app: FastAPI behind the front of the sampling hot path (its `state` is the FastAPI app's)."""
     metrics = ServerMetrics()
 
     @contextlib.asynccontextmanager
@@ -209,8 +254,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     app = FastAPI(title="Tinker-compatible training service", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None, telemetry={"tracing": False, "metrics": False, "logs": False})
     app.add_middleware(RequestMetrics, metrics=metrics)
-    # First, where the router looks first: the two routes every sample request takes (they authenticate
-    # themselves).
+    # The two routes every sample request takes, which HotRoutes serves (and which authenticate themselves),
+    # are in the app too: for the API's schema.
     app.include_router(sampling.hot_router)
     app.include_router(futures.hot_router)
     app.include_router(operations.public_router)
@@ -219,40 +264,18 @@ def create_app(config: ServerConfig) -> FastAPI:
     for module in (sessions, models, training, weights, sampling, rest, checkpoints, operations, dashboard):
         app.include_router(module.router, dependencies=[Depends(authenticate)])
 
-    def respond(request: Request, error: TinkerServerError) -> JSONResponse:
-        message = without_server_paths(str(error), config.data_dir)
-        # The SDK retries 409s for minutes; a conflicting seq_id never succeeds, so say so.
-        headers = {"x-should-retry": "false"} if isinstance(error, Conflict) else None
-        body = {"detail": message, "error": message, "category": error.category}  # also a failed future's shape
-        return JSONResponse(body, status_code=error.status_code, headers=headers)
-
-    @app.exception_handler(TinkerServerError)
-    async def server_error(request: Request, error: TinkerServerError) -> JSONResponse:
-        await journal_refusal(request, error)
-        return respond(request, error)
-
-    @app.exception_handler(RequestValidationError)
-    @app.exception_handler(ValidationError)
-    async def invalid_body(request: Request, error: ValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
-        refusal = InvalidRequest(f"invalid request: {problems}")
+    async def refuse(request: Request, error: Exception) -> JSONResponse:
+        """The error response, after giving a refused training request its seq_id (so its run goes on)."""
+        refusal = refusal_of(error, request.url.path)
         await journal_refusal(request, refusal)
-        return respond(request, refusal)
+        message = without_server_paths(str(refusal), config.data_dir)
+        # The SDK retries 409s for minutes; a conflicting seq_id never succeeds, so say so.
+        headers = {"x-should-retry": "false"} if isinstance(refusal, Conflict) else None
+        body = {"detail": message, "error": message, "category": refusal.category}  # also a failed future's shape
+        return JSONResponse(body, status_code=refusal.status_code, headers=headers)
 
-    @app.exception_handler(OSError)
-    @app.exception_handler(SQLAlchemyError)
-    async def storage_error(request: Request, error: Exception) -> JSONResponse:
-        failure = storage_failure(error, "handle this request")
-        logger.warning("event=request_failed route=%s error=%r", request.url.path, str(failure))
-        await journal_refusal(request, failure)
-        return respond(request, failure)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception) -> JSONResponse:
-        logger.error("event=request_failed route=%s", request.url.path, exc_info=error)
-        failure = TinkerServerError(f"internal error ({type(error).__name__}); the server log has the details")
-        await journal_refusal(request, failure)
-        return respond(request, failure)
-
-    return app
-
+    # Exception is the last resort (Starlette answers it in its outermost middleware); the others are
+    # answered where they are raised.
+    for kind in (TinkerServerError, RequestValidationError, ValidationError, OSError, SQLAlchemyError, Exception):
+        app.add_exception_handler(kind, refuse)
+    return HotRoutes(app, metrics, refuse)
