@@ -10,7 +10,8 @@ The cookbook's RL loop samples each episode's next turn on its own: one request 
 `num_samples=1`, a handful of new tokens. For each prompt shape (0, 1 or 4 images) every side runs:
 - idle: one request at a time, `--idle` of them: the latency of a request on an idle server;
 - burst: `--requests` one-sample requests at once, each with its own prompt text and images (as an RL
-  step's episodes have): requests/s and the p50/p99 latency of a request;
+  step's episodes have), from one client process or split over `--clients`: requests/s and the p50/p99
+  latency of a request;
 - one request of `--requests` samples of one prompt: what the engine costs for as many samples.
 The ratio burst / one is what a request costs beyond its sample; 1.0 is the engine's own speed.
 
@@ -61,6 +62,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--images", default="0,1,4", help="images per prompt, one shape each")
     parser.add_argument("--rounds", type=int, default=2, help="timed bursts per shape (after one untimed)")
+    parser.add_argument("--clients", type=int, default=1,
+                        help="client processes a burst is split over (each its own SDK client), as many users send "
+                             "at once; 1 is one RL loop's process")
     parser.add_argument("--sides", default="server")
     parser.add_argument("--server-args", default="", help="more flags for python -m server")
     parser.add_argument("--vllm-python", type=Path, default=REPO_ROOT / ".venv-vllm" / "bin" / "python")
@@ -110,14 +114,18 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-async def measure(args, num_images: int, send_one, send_many) -> dict:
-    """idle, burst and one-many-sample timings of one prompt shape, through `send_one(index)` and `send_many(n)`."""
+async def measure(args, num_images: int, send_one, send_many, burst=None) -> dict:
+    """idle, burst and one-many-sample timings of one prompt shape, through `send_one(index)` and `send_many(n)`;
+    `burst(round)`, when given, runs a round's burst elsewhere and returns (seconds, latencies)."""
     await send_many(4)  # untimed: the engine loads its model copy on its first request
     idle = Timed()
     for index in range(args.idle):
         await idle.run(lambda _, index=index: send_one(10_000_000 + index), 1)
     bursts = []
     for round_index in range(args.rounds + 1):
+        if burst is not None:
+            bursts.append(await asyncio.to_thread(burst, round_index))
+            continue
         timed = Timed()
         seconds = await timed.run(lambda index: send_one(round_index * args.requests + index), args.requests)
         bursts.append((seconds, timed.latencies))
@@ -133,6 +141,74 @@ async def measure(args, num_images: int, send_one, send_many) -> dict:
             "burst_seconds": burst_seconds, "requests_per_second": args.requests / burst_seconds,
             "p50_ms": 1000 * percentile(latencies, 50), "p99_ms": 1000 * percentile(latencies, 99),
             "many_seconds": many_seconds, "ratio": burst_seconds / many_seconds}
+
+
+class Prompts:
+    """Each request's own prompt: plain text that ends with its index, and its own images."""
+
+    def __init__(self, tokenizer, chunker):
+        self.tokenizer, self.chunker = tokenizer, chunker
+        self.vision = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+        self.images = {}
+
+    def build(self, index: int, num_images: int):
+        from tinker import types
+
+        chunks = [types.EncodedTextChunk(tokens=prompt_text(self.tokenizer, index))]
+        for image_index in range(num_images):
+            key = (index, image_index)
+            if key not in self.images:
+                self.images[key] = self.chunker.chunk(make_images(1, hash(key) % 2**32)[0])
+            chunks += [types.EncodedTextChunk(tokens=[self.vision[0]]), self.images[key],
+                       types.EncodedTextChunk(tokens=[self.vision[1]])]
+        return types.ModelInput(chunks=chunks)
+
+
+def client_process(url: str, api_key: str, sampler_path: str, model_dir: str, num_images: int, indices: list[int],
+                   max_tokens: int, ready, go, results) -> None:
+    """One of --clients processes: its own SDK client sends its share of a burst once all are ready."""
+    import tinker
+    from tinker import types
+    from transformers import AutoTokenizer
+
+    from client_compat.images import ImageChunker
+
+    service = tinker.ServiceClient(base_url=url, api_key=api_key)
+    sampler = service.create_sampling_client(model_path=sampler_path).result()
+    prompts = Prompts(AutoTokenizer.from_pretrained(model_dir), ImageChunker(model_dir))
+    inputs = [prompts.build(index, num_images) for index in indices]
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=[])
+    warm_up = prompts.build(10_000_000 + indices[0], num_images)
+    sampler.sample(warm_up, num_samples=1, sampling_params=params).result()  # connected and warm
+    ready.put(None)
+    go.wait()
+    timed = Timed()
+    seconds = asyncio.run(timed.run(
+        lambda index: sampler.sample(inputs[index], num_samples=1, sampling_params=params), len(inputs)))
+    results.put((seconds, timed.latencies))
+
+
+def burst_from_processes(args, server, sampler_path: str, model_dir: str, num_images: int,
+                         round_index: int) -> tuple[float, list[float]]:
+    """A round's burst split over --clients processes that start together; (the slowest's seconds, latencies)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    ready, go, results = context.Queue(), context.Event(), context.Queue()
+    first = round_index * args.requests
+    processes = [context.Process(target=client_process, args=(
+        server.url, server.api_key, sampler_path, model_dir, num_images,
+        list(range(first + client, first + args.requests, args.clients)), args.max_tokens, ready, go, results))
+        for client in range(args.clients)]
+    for process in processes:
+        process.start()
+    for _ in processes:
+        ready.get()
+    go.set()
+    outcomes = [results.get() for _ in processes]
+    for process in processes:
+        process.join()
+    return max(seconds for seconds, _ in outcomes), [latency for _, latencies in outcomes for latency in latencies]
 
 
 def run_server(args, side: str) -> dict:
@@ -152,20 +228,10 @@ def run_server(args, side: str) -> dict:
         training = service.create_lora_training_client(base_model=args.base_model, rank=8).result()
         tokenizer = training.get_tokenizer()
         chunker = ImageChunker(training.get_info().model_data.tokenizer_id)
-        sampler = training.save_weights_and_get_sampling_client().result()
-        vision_start, vision_end = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
-        images = {}
-
-        def prompt(index: int, num_images: int) -> types.ModelInput:
-            # Its own text and its own images, as an RL step's episodes have.
-            chunks = [types.EncodedTextChunk(tokens=prompt_text(tokenizer, index))]
-            for image_index in range(num_images):
-                key = (index, image_index)
-                if key not in images:
-                    images[key] = chunker.chunk(make_images(1, hash(key) % 2**32)[0])
-                chunks += [types.EncodedTextChunk(tokens=[vision_start]), images[key],
-                           types.EncodedTextChunk(tokens=[vision_end])]
-            return types.ModelInput(chunks=chunks)
+        sampler_path = training.save_weights_for_sampler("rollout").result().path
+        sampler = service.create_sampling_client(model_path=sampler_path).result()
+        prompts = Prompts(tokenizer, chunker)
+        prompt = prompts.build
 
         params = types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=[])
         results = []
@@ -177,11 +243,17 @@ def run_server(args, side: str) -> dict:
                 async def send_one(index: int, num_images=num_images):
                     await sampler.sample(prompt(index, num_images), num_samples=1, sampling_params=params)
 
+                burst = None
+                if args.clients > 1:
+                    burst = lambda round_index, num_images=num_images: burst_from_processes(  # noqa: E731
+                        args, server, sampler_path, training.get_info().model_data.tokenizer_id, num_images,
+                        round_index)
+
                 async def send_many(count: int, num_images=num_images):
                     await sampler.sample(prompt(0, num_images), num_samples=count, sampling_params=params)
 
-                results.append(asyncio.run(measure(args, num_images, send_one, send_many)))
-                images.clear()
+                results.append(asyncio.run(measure(args, num_images, send_one, send_many, burst)))
+                prompts.images.clear()
                 print(f"{side}: {results[-1]}", flush=True)
         service.close("success").result()
         return {"shapes": results, "peak_memory_gib": memory.peak}
