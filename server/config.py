@@ -158,6 +158,9 @@ class SamplerConfig:
     sizes vLLM's encoder-cache profiling). Multi-turn VLM episodes add an image per turn."""
     max_batch_tokens: int = 65536
     """Cache positions the embedded engine's running batch may hold (rows x padded length)."""
+    own_process: bool = False
+    """Run the embedded engine in a process of its own, so that its Python never waits on the HTTP front's
+    (and the other way round); worth it on a GPU, where the engine's time is mostly Python."""
     prefix_cache_bytes: int = 2 << 30
     """Keys and values of earlier prompts and conversations the embedded engine keeps, so that a prompt that
     starts like one of them (a conversation's next turn) runs only from where they part; 0 keeps none."""
@@ -345,6 +348,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="images one sampling prompt may hold (on every engine; also vLLM's limit)")
     parser.add_argument("--sampler-max-batch-tokens", type=int, default=SamplerConfig.max_batch_tokens,
                         help="cache positions (rows x length) the embedded sampler's running batch may hold")
+    parser.add_argument("--sampler-process", choices=["auto", "on", "off"], default="auto",
+                        help="run the embedded sampler in a process of its own (auto: on with a CUDA --device)")
     parser.add_argument("--prefix-cache-gb", type=float, default=SamplerConfig.prefix_cache_bytes / (1 << 30),
                         help="GiB of earlier prompts' keys and values the embedded sampler keeps on its device, so "
                              "that a conversation's next turn runs only its new tokens (0: none)")
@@ -411,6 +416,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         sampler=SamplerConfig(engine=args.sampler, vllm=_vllm_config(args) if args.sampler == "vllm" else None,
                               max_images_per_prompt=args.max_images_per_prompt,
                               max_batch_tokens=args.sampler_max_batch_tokens,
+                              own_process=args.sampler_process == "on" or (args.sampler_process == "auto"
+                                                                            and args.device.startswith("cuda")),
                               prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30))),
         client=ClientFlagsConfig(fwdbwd_max_chunk_len=args.fwdbwd_chunk_len))
 

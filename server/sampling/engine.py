@@ -1,11 +1,11 @@
 """The one interface of a sampling engine, and the builder that picks one from the config.
 
-Two engines implement `SamplingEngine`: the embedded engine (embedded.py: HF transformers in this
-process, continuous batching, any mix of adapters per batch), and vLLM (vllm.py: a supervised vLLM
-server, with the embedded engine beside it for what vLLM cannot serve). Callers hand over a
-`SamplingRequest` with `submit` and get a future of its `SampleOutput` at once: no thread waits per
-request, and the engine batches whatever is in flight. Knows nothing about HTTP, the wire format or
-the store.
+Two engines implement `SamplingEngine`: the embedded engine (embedded.py: HF transformers, continuous
+batching, any mix of adapters per batch; in this process, or in one of its own, engine_process.py),
+and vLLM (vllm.py: a supervised vLLM server, with the embedded engine beside it for what vLLM cannot
+serve). Callers hand over a `SamplingRequest` with `submit` and get a future of its `SampleOutput` at
+once: no thread waits per request, and the engine batches whatever is in flight. Knows nothing about
+HTTP, the wire format or the store.
 """
 
 import dataclasses
@@ -19,6 +19,7 @@ from server.config import ModelConfig, SamplerConfig
 from server.models.loading import LoadedModel
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedEngine
+from server.sampling.engine_process import EngineProcess
 from server.sampling.types import SampleOutput, SamplingRequest
 from server.sampling.vllm import VLLMEngine
 from server.sampling.vllm_process import ServedModel, build_vllm_server
@@ -46,6 +47,11 @@ def checkpoint_adapter_name(tinker_path: str, created_at: datetime) -> str:
 def build_sampling_engine(sampler: SamplerConfig, model: ModelConfig, feature_cache_bytes: int, base: LoadedModel,
                           data_dir: Path) -> tuple[SamplingEngine, SamplerAdapters]:
     """The engine `sampler` asks for (a vLLM it starts is ready when this returns), and its adapters."""
+    if sampler.engine == "embedded" and sampler.own_process:
+        # The child holds its own copies of the snapshots it samples with: it lets go of one when it is dropped.
+        adapters = SamplerAdapters(sampler, model.device, on_forget=lambda name: engine.forget(name))
+        engine = EngineProcess(model, feature_cache_bytes, sampler)
+        return engine, adapters
     if sampler.engine == "embedded":
         adapters = SamplerAdapters(sampler, model.device)
         return EmbeddedEngine.on_demand(model, feature_cache_bytes, adapters, sampler), adapters

@@ -45,6 +45,7 @@ CLI_OPTIONS = {
     "--sampler",
     "--max-images-per-prompt",
     "--sampler-max-batch-tokens",
+    "--sampler-process",
     "--prefix-cache-gb",
     "--vllm-python",
     "--vllm-url",

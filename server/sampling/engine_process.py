@@ -1,0 +1,195 @@
+"""The embedded engine in a process of its own, so that its Python (the model's forwards, the batching) never
+holds the interpreter lock that the server's HTTP front needs: on a GPU, where the model's work is launched
+rather than done, the two each keep a core busy, and in one process they took turns (benchmarks/RESULTS.md).
+
+The parent side is a `SamplingEngine`: `submit` sends the request down a pipe and returns a future, which a
+reader thread completes when the child answers. An in-memory adapter (a snapshot) crosses once, as a CPU copy,
+the first time its name is used; later requests name it, and `forget` drops it in the child too. Saved
+checkpoints are loaded by the child from their directory. The child starts on the first request (a server
+whose clients never sample never starts it); if it dies, every request in flight fails with a 503 and the
+next request starts a new one. Knows nothing about HTTP, the store or the wire format.
+"""
+
+import dataclasses
+import itertools
+import logging
+import threading
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+
+import torch.multiprocessing as multiprocessing
+
+from server.config import ModelConfig, SamplerConfig
+from server.errors import EngineUnavailable
+from server.sampling.adapters import SamplerAdapters
+from server.sampling.embedded import EmbeddedEngine
+from server.sampling.types import SampleOutput, SamplingRequest
+from server.training.lora import LoraAdapter
+
+logger = logging.getLogger(__name__)
+
+_START_SECONDS = 600.0
+
+
+class EngineProcess:
+    """An `EmbeddedEngine` in a child process, behind the same interface."""
+
+    def __init__(self, model: ModelConfig, feature_cache_bytes: int, sampler: SamplerConfig):
+        self.model, self.feature_cache_bytes, self.sampler = model, feature_cache_bytes, sampler
+        self._lock = threading.Lock()
+        """Held while the child is started or a message is sent to it."""
+        self._child: _Child | None = None
+        self._closed = False
+
+    def submit(self, request: SamplingRequest) -> Future:
+        """Send one request to the child; its future completes when the child answers."""
+        with self._lock:
+            if self._closed:
+                raise EngineUnavailable("the embedded sampling engine is shut down")
+            if self._child is None or not self._child.alive:
+                self._child = _Child(self)
+            return self._child.submit(request)
+
+    def sample(self, request: SamplingRequest) -> SampleOutput:
+        return self.submit(request).result()
+
+    def forget(self, adapter_name: str) -> None:
+        """Drop a snapshot's weights in the child (a later request with the name would send them again)."""
+        with self._lock:
+            if self._child is not None and self._child.alive:
+                self._child.forget(adapter_name)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            child, self._child = self._child, None
+        if child is not None:
+            child.close()
+
+
+class _Child:
+    """One child process and what the parent knows of it: requests in flight, adapters it holds. Its methods
+    are called under the EngineProcess's lock (but the reader thread's)."""
+
+    def __init__(self, owner: EngineProcess):
+        context = multiprocessing.get_context("spawn")
+        self._connection, child_end = context.Pipe()
+        self.process = context.Process(target=_serve, name="embedded-sampler",
+                                       args=(child_end, owner.model, owner.feature_cache_bytes, owner.sampler),
+                                       daemon=True)
+        self.process.start()
+        child_end.close()
+        self.alive = True
+        self._ids = itertools.count()
+        self._pending: dict[int, Future] = {}
+        self._pending_lock = threading.Lock()
+        self._adapters: set[str] = set()
+        """Names of the snapshots whose weights the child holds."""
+        self._reader = threading.Thread(target=self._read, name="embedded-sampler-reader", daemon=True)
+        self._reader.start()
+
+    def submit(self, request: SamplingRequest) -> Future:
+        future, request_id = Future(), next(self._ids)
+        weights = None
+        adapter = request.adapter
+        if adapter is not None and adapter.weights is not None:
+            if adapter.name not in self._adapters:
+                weights = _cpu_copy(adapter.weights)
+                self._adapters.add(adapter.name)
+            request = dataclasses.replace(request, adapter=dataclasses.replace(adapter, weights=None))
+        with self._pending_lock:
+            self._pending[request_id] = future
+        try:
+            self._connection.send(("sample", request_id, request, weights))
+        except (OSError, ValueError) as error:  # the child is gone: the reader fails what it held
+            with self._pending_lock:
+                self._pending.pop(request_id, None)
+            raise EngineUnavailable(f"the embedded sampling engine's process is gone: {error}") from error
+        return future
+
+    def forget(self, adapter_name: str) -> None:
+        if adapter_name in self._adapters:
+            self._adapters.discard(adapter_name)
+            try:
+                self._connection.send(("forget", adapter_name))
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        try:
+            self._connection.send(None)
+        except (OSError, ValueError):
+            pass
+        self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self._reader.join(timeout=10)
+
+    def _read(self) -> None:
+        """Reader thread: complete each future with what the child answers; fail the rest if it dies."""
+        try:
+            while True:
+                request_id, output, error = self._connection.recv()
+                with self._pending_lock:
+                    future = self._pending.pop(request_id)
+                if error is None:
+                    future.set_result(output)
+                else:
+                    future.set_exception(error)
+        except (EOFError, OSError):
+            pass
+        self.alive = False
+        code = self.process.exitcode
+        if code not in (0, None):
+            logger.error("event=sampler_process_died exitcode=%s", code)
+        failure = EngineUnavailable(f"the embedded sampling engine's process ended (exit code {code}); send the "
+                                    f"request again")
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.set_exception(failure)
+
+
+def _cpu_copy(adapter: LoraAdapter) -> LoraAdapter:
+    return adapter.frozen_copy(device="cpu")
+
+
+def _serve(connection: Connection, model: ModelConfig, feature_cache_bytes: int, sampler: SamplerConfig) -> None:
+    """The child: an EmbeddedEngine fed from the pipe; each answer is (request id, output, error)."""
+    engine = EmbeddedEngine.on_demand(model, feature_cache_bytes, SamplerAdapters(sampler, model.device), sampler)
+    snapshots: dict[str, LoraAdapter] = {}
+    sending = threading.Lock()
+
+    def answer(request_id: int, done: Future) -> None:
+        error = done.exception()
+        with sending:
+            try:
+                connection.send((request_id, None if error else done.result(), _picklable(error)))
+            except (OSError, ValueError):  # the parent is gone
+                pass
+
+    while (message := connection.recv()) is not None:
+        if message[0] == "forget":
+            snapshots.pop(message[1], None)
+            continue
+        _, request_id, request, weights = message
+        adapter = request.adapter
+        if weights is not None:
+            snapshots[adapter.name] = weights.frozen_copy(device=model.device)
+        if adapter is not None and adapter.name in snapshots:
+            request = dataclasses.replace(request, adapter=dataclasses.replace(adapter, weights=snapshots[adapter.name]))
+        try:
+            future = engine.submit(request)
+        except Exception as error:
+            future = Future()
+            future.set_exception(error)
+        future.add_done_callback(lambda done, request_id=request_id: answer(request_id, done))
+    engine.close()
+
+
+def _picklable(error: BaseException | None) -> BaseException | None:
+    """The error as the parent can receive it (the engine's own errors pickle; anything else becomes a 503)."""
+    if error is None or isinstance(error, EngineUnavailable) or type(error).__module__.startswith("server."):
+        return error
+    return EngineUnavailable(f"the embedded sampling engine failed: {type(error).__name__}: {error}")

@@ -1,0 +1,82 @@
+"""The embedded engine in a process of its own samples exactly what it samples in this process: the base model
+and an in-memory adapter (its weights cross once, by name), text and image prompts; a process that dies fails
+the requests it held with a 503 and the next request starts a new one. The tiny Qwen2-VL on the CPU."""
+
+import numpy as np
+import pytest
+
+from server.config import ModelConfig, SamplerConfig
+from server.errors import EngineUnavailable
+from server.sampling.adapters import SamplerAdapters
+from server.sampling.embedded import EmbeddedEngine
+from server.sampling.engine_process import EngineProcess
+from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
+from server.training.lora import apply_lora_wrappers
+from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
+
+from support.engines import adapter
+from support.vision import context_for, encode, load, noise_image
+
+BASE_MODEL = "builtin:tiny-qwen2-vl"
+GREEDY = SamplingOptions(max_tokens=6, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def base(models_dir):
+    return load(BASE_MODEL, models_dir)
+
+
+@pytest.fixture(scope="module")
+def engines(models_dir):
+    model = ModelConfig(base_model=BASE_MODEL, model_path=None, model_cache_dir=models_dir)
+    sampler = SamplerConfig()
+    child = EngineProcess(model, 1 << 26, sampler)
+    here = EmbeddedEngine.on_demand(model, 1 << 26, SamplerAdapters(sampler, "cpu"), sampler)
+    yield child, here
+    child.close()
+    here.close()
+
+
+def requests(base, models_dir) -> list[SamplingRequest]:
+    from server.config import ImageConfig
+    from server.rendering.chunks import render_model_input
+
+    context = context_for(base, ImageConfig())
+    ids = base.tokenizer.encode
+    text = render_model_input(ModelInput(chunks=[EncodedTextChunk(tokens=ids("Say something about squares."))]),
+                              context, "prompt")
+    image = render_model_input(ModelInput(chunks=[
+        EncodedTextChunk(tokens=ids("Look:<|vision_start|>")), ImageChunk(data=encode(noise_image(64, 64, 4)),
+                                                                         format="png"),
+        EncodedTextChunk(tokens=ids("<|vision_end|>What is it?"))]), context, "prompt")
+    targets, _ = apply_lora_wrappers(load(BASE_MODEL, models_dir).model, base.family)
+    lora = AdapterRef(name="snapshot-1", directory=None, weights=adapter(targets, seed=3, rank=4))
+    return [SamplingRequest(prompt=prompt, options=GREEDY, adapter=ref, num_samples=2,
+                            logprobs=LogprobOptions(prompt_logprobs=True))
+            for prompt in (text, image) for ref in (None, lora)]
+
+
+def test_the_engine_in_its_own_process_samples_what_it_samples_here(engines, base, models_dir):
+    child, here = engines
+    for request in requests(base, models_dir) * 2:  # the second time, the adapter is named, not sent
+        got, expected = child.sample(request), here.sample(request)
+        for a, b in zip(got.sequences, expected.sequences, strict=True):
+            assert a.tokens == b.tokens
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        np.testing.assert_allclose(np.array(got.prompt_logprobs[1:]), np.array(expected.prompt_logprobs[1:]),
+                                   atol=1e-5)
+    child.forget("snapshot-1")  # dropped there too; a later request sends the weights again
+    with_adapter = requests(base, models_dir)[1]
+    assert child.sample(with_adapter).sequences[0].tokens == here.sample(with_adapter).sequences[0].tokens
+
+
+def test_a_process_that_dies_fails_what_it_held_and_the_next_request_starts_another(engines, base, models_dir):
+    child, _ = engines
+    request = requests(base, models_dir)[0]
+    child.sample(request)
+    long = SamplingRequest(prompt=request.prompt, options=SamplingOptions(max_tokens=4000, temperature=1.0))
+    held = child.submit(long)
+    child._child.process.kill()
+    with pytest.raises(EngineUnavailable, match="process ended"):
+        held.result(timeout=120)
+    assert len(child.sample(request).sequences) == 2
