@@ -24,4 +24,5 @@ for dist in sorted(metadata.distributions(), key=lambda d: d.metadata["Name"].lo
     if name in locked and locked[name] != dist.version:
         print(f"  {name}: {locked[name]} -> {dist.version}")
 PY
-"$PY" -m pytest tests/unit -q -p no:cacheprovider -x
+TEST_DATABASES=sqlite OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" TINKER_TELEMETRY=0 \
+    "$PY" -m pytest tests/unit -q -p no:cacheprovider -x  # the quick tier, as scripts/test.sh --quick runs it

