@@ -15,10 +15,15 @@ PY="$VENV/bin/python"
 # Unpinned, newest first: what `pip install -e .[test]` gives a user who does not use the locks.
 "$PY" -m pip install --quiet --upgrade -e ".[test]" -r requirements/cookbook.in
 "$PY" -m pip install --quiet --no-deps "$(grep -oE '^tinker-cookbook==[^ ]+' requirements/cookbook.lock)"
-echo "newer than the locks:" >&2
+echo "differs from requirements/test.lock:" >&2
 "$PY" - <<'PY' >&2
 import importlib.metadata as metadata, re
-locked = dict(re.findall(r"^([a-z0-9._-]+)==([^ ;\\]+)", open("requirements/test.lock").read(), re.MULTILINE))
+from packaging.markers import Marker
+locked = {}
+for name, version, marker in re.findall(r"^([a-z0-9._-]+)==([^ ;\\]+)(?: ; ([^\\]+?))? \\$", open("requirements/test.lock").read(),
+                                        re.MULTILINE):
+    if not marker or Marker(marker).evaluate():
+        locked[name] = version
 for dist in sorted(metadata.distributions(), key=lambda d: d.metadata["Name"].lower()):
     name = re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()
     if name in locked and locked[name] != dist.version:
