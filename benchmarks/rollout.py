@@ -31,6 +31,7 @@ tests; record results in RESULTS.md with the machine and date.
 import argparse
 import asyncio
 import base64
+import dataclasses
 import io
 import json
 import statistics
@@ -279,9 +280,14 @@ def run_raw_vllm(args) -> dict:
     port = free_port()
     served = ServedModel(directory=model_dir, name=args.base_model, dtype=args.dtype, refused_token_ids=frozenset(),
                          max_images_per_prompt=config.sampler.max_images_per_prompt)
-    command = vllm_command(config.sampler.vllm, served, port)
+    # As the server does: vLLM refuses a context longer than the model's positions.
+    positions = json.loads((model_dir / "config.json").read_text())
+    positions = positions.get("text_config", positions).get("max_position_embeddings")
+    vllm_config = dataclasses.replace(config.sampler.vllm, max_model_len=min(config.sampler.vllm.max_model_len,
+                                                                           positions or config.sampler.vllm.max_model_len))
+    command = vllm_command(vllm_config, served, port)
     log = (args.work_dir / "raw-vllm.log").open("w")
-    process = subprocess.Popen(command, env=vllm_environment(config.sampler.vllm), stdout=log,
+    process = subprocess.Popen(command, env=vllm_environment(vllm_config), stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -340,8 +346,9 @@ def run_raw_vllm(args) -> dict:
         import os
         import signal
 
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=120)
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=120)
 
 
 def run_grid_walk(args) -> dict:

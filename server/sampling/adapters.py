@@ -6,7 +6,8 @@ directory of their own. A snapshot session samples its own snapshot; an inflight
 (kind="inflight") samples its run's newest inflight snapshot, so every inflight save moves all the
 run's inflight sessions forward, and never back. Saved adapters are loaded from their checkpoint
 directory on demand and kept in a bounded LRU, so an evicted one is simply reloaded. Shared by the
-training thread (which adds snapshots) and the sampling threads, hence the lock.
+training thread (which adds snapshots), the event loop (which pins them to requests) and the engine's
+adapter loader, hence the lock.
 """
 
 import shutil
