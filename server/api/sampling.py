@@ -1,6 +1,7 @@
 """Sampling: create_sampling_session, GET samplers/{id}, asample (which also serves compute_logprobs)."""
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -171,9 +172,10 @@ async def asample(request: Request) -> UntypedAPIFuture:
                               prompt_alt_tokens_k=sample.prompt_alt_tokens_k)
     options = sampling_options(services, sample, prompt)
     check_sampled_tokens(services, sample.num_samples, options.max_tokens)
+    sampling = SamplingRequest(prompt=prompt, options=options, num_samples=sample.num_samples, logprobs=logprobs)
+    # Last, once nothing is left to refuse: the pin is let go of when the request is over.
     adapter, release = await pin_adapter(services, record, sample.model_path, owner)
-    sampling = SamplingRequest(prompt=prompt, options=options, adapter=adapter, num_samples=sample.num_samples,
-                               logprobs=logprobs)
+    sampling = dataclasses.replace(sampling, adapter=adapter)
     sampler_id = sample.sampling_session_id or f"direct:{owner}"
     seq_id = sample.seq_id
     # Without a seq_id (plain REST callers) the ids are numbered by the request itself.
