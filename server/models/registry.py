@@ -17,6 +17,9 @@ from server.models.positions import Segment, mrope_position_ids
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 SHARED_INPUT_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Qwen3.5's Gated DeltaNet layers: their input projections (q, k and v fused; the output gate; the
+# delta rule's beta and decay) and their output projection.
+LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,15 @@ class ModelFamily:
     unembed_module: str = "lm_head"
     vision: VisionSpec | None = None
     """None for text-only families."""
+    hybrid: bool = False
+    """Some decoder layers are linear attention: their cache is a recurrent state per sequence, which
+    cannot be cut at an arbitrary prefix (the embedded engine's prefix cache stays off)."""
 
 
 _VISION = dict(auto_class="AutoModelForImageTextToText", language_model_prefix="model.language_model.layers.",
                vision=QWEN_VL)
+_QWEN3_5 = dict(_VISION, attention_modules=ATTENTION_PROJECTIONS + LINEAR_ATTENTION_PROJECTIONS,
+                shared_input_modules=SHARED_INPUT_PROJECTIONS + (LINEAR_ATTENTION_PROJECTIONS[:4],))
 _TEXT = dict(auto_class="AutoModelForCausalLM", language_model_prefix="model.layers.")
 
 FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in [
@@ -67,6 +75,10 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in [
     ModelFamily(model_type="qwen3_vl", arch="qwen3_vl", **_VISION),
     # Experts are fused 3-D tensors, not nn.Linear: MLP LoRA has no targets in this family.
     ModelFamily(model_type="qwen3_vl_moe", arch="qwen3_vl_moe", mlp_modules=(), **_VISION),
+    # Hybrid: Gated DeltaNet layers (a recurrent state, no KV cache) between gated full-attention layers.
+    # `train_attn` covers both kinds of layer; MLP LoRA covers the dense MLP, or the MoE's shared expert.
+    ModelFamily(model_type="qwen3_5", arch="qwen3_5", hybrid=True, **_QWEN3_5),
+    ModelFamily(model_type="qwen3_5_moe", arch="qwen3_5_moe", hybrid=True, **_QWEN3_5),
     ModelFamily(model_type="qwen2", arch="qwen2", **_TEXT),
     ModelFamily(model_type="llama", arch="llama", **_TEXT),
     ModelFamily(model_type="qwen3", arch="qwen3", **_TEXT),

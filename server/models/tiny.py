@@ -19,6 +19,8 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "tiny-qwen2.5-vl": "qwen2.5-vl",
     "tiny-qwen3-vl": "qwen3-vl",
     "tiny-qwen3-vl-moe": "qwen3-vl-moe",
+    "tiny-qwen3.5": "qwen3.5",
+    "tiny-qwen3.5-moe": "qwen3.5-moe",
     "tiny-qwen3": "qwen3",
 }
 FAMILIES = tuple(BUILTIN_FAMILIES.values())
@@ -116,6 +118,42 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 
+# Qwen3.5 / Qwen3.6 chat template, reduced to what the real one does without tools or reasoning
+# fields: no default system prompt, content trimmed, assistant turns after the last user turn carry
+# an (empty) think block, and the generation prompt opens a think block (closed at once when
+# enable_thinking=false), as the cookbook's qwen3_5 renderers write it.
+QWEN3_5_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_query_index=-1) %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{%- set ns.last_query_index = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- set content = namespace(text='') %}"
+    "{%- if message['content'] is string %}"
+    "{%- set content.text = message['content'] %}"
+    "{%- else %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' or part['type'] == 'image_url' or 'image' in part %}"
+    "{%- set content.text = content.text + '<|vision_start|><|image_pad|><|vision_end|>' %}"
+    "{%- elif 'text' in part %}"
+    "{%- set content.text = content.text + part['text'] %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{%- set text = content.text | trim %}"
+    "{%- if message['role'] == 'assistant' and loop.index0 > ns.last_query_index and '<think>' not in text %}"
+    "{%- set text = '<think>\\n\\n</think>\\n\\n' + text %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + text + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
 # Image preprocessing of the real checkpoints (their preprocessor_config.json values).
 VISION_DEFAULTS = {
     "qwen2-vl": dict(processor_class="Qwen2VLProcessor", patch_size=14, merge_size=2, temporal_patch_size=2,
@@ -130,8 +168,10 @@ VISION_DEFAULTS = {
                      min_pixels=65536, max_pixels=16777216,
                      image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]),
 }
-# Qwen3-VL-MoE (e.g. Qwen3-VL-30B-A3B) shares the Qwen3-VL vision tower and processor.
-VISION_DEFAULTS["qwen3-vl-moe"] = VISION_DEFAULTS["qwen3-vl"]
+# Qwen3-VL-MoE (e.g. Qwen3-VL-30B-A3B) and Qwen3.5 / Qwen3.6 (dense and MoE) share the Qwen3-VL
+# image processor and its settings.
+for _family in ("qwen3-vl-moe", "qwen3.5", "qwen3.5-moe"):
+    VISION_DEFAULTS[_family] = VISION_DEFAULTS["qwen3-vl"]
 
 _WORDS = (
     "the a an of to and in is it that for on with as was at by this be are from or have not but "
@@ -162,6 +202,8 @@ def chat_template_for(family: str) -> str:
     """The family's chat template: Qwen2-VL / Qwen2.5-VL insert a default system prompt; Qwen3(-VL) do not."""
     if family == "qwen3":
         return QWEN3_CHAT_TEMPLATE
+    if family.startswith("qwen3.5"):
+        return QWEN3_5_CHAT_TEMPLATE
     default_system = "true" if family in ("qwen2-vl", "qwen2.5-vl") else "false"
     return VL_CHAT_TEMPLATE.replace("__DEFAULT_SYSTEM__", default_system)
 
@@ -248,6 +290,8 @@ def _build_config(family: str, token_ids: dict[str, int], vocab_size: int):
                       fullatt_block_indexes=[VISION_DEPTH - 1], tokens_per_second=2, hidden_act="silu", **patches)
         return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **top)
 
+    if family.startswith("qwen3.5"):
+        return _qwen3_5_config(family, text, top, patches)
     from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     text.update(head_dim=head_dim, attention_bias=False,
@@ -263,6 +307,32 @@ def _build_config(family: str, token_ids: dict[str, int], vocab_size: int):
     text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=HIDDEN_SIZE * 3 // 4,
                 decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     return Qwen3VLMoeConfig(text_config=text, vision_config=vision, **top)
+
+
+def _qwen3_5_config(family: str, text: dict, top: dict, patches: dict):
+    """Qwen3.5 / Qwen3.6: a Gated DeltaNet (linear attention) layer, then a gated full-attention layer
+    (the real checkpoints repeat three linear to one full), partial M-RoPE on a quarter of each head."""
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+    rotary_half = text["hidden_size"] // NUM_HEADS // 8  # partial_rotary_factor 0.25 of head_dim, halved
+    text.update(head_dim=HIDDEN_SIZE // NUM_HEADS, attention_bias=False, layer_types=["linear_attention",
+                                                                                      "full_attention"],
+                linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                linear_num_key_heads=2, linear_num_value_heads=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                 # [11, 11, 10] of the real 32, [3, 3, 2] of the tiny 8
+                                 "mrope_section": [(rotary_half + 2) // 3, (rotary_half + 1) // 3, rotary_half // 3],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=VISION_DEPTH, hidden_size=VISION_WIDTH, intermediate_size=2 * VISION_WIDTH,
+                  num_heads=VISION_HEADS, out_hidden_size=HIDDEN_SIZE, num_position_embeddings=64,
+                  hidden_act="gelu_pytorch_tanh", **patches)
+    if family == "qwen3.5":
+        return Qwen3_5Config(text_config=text, vision_config=vision, **top)
+    # 4 tiny experts, top-2, and a shared expert; no expert tensor is square (see _to_hub_expert_layout).
+    text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=HIDDEN_SIZE * 3 // 4,
+                shared_expert_intermediate_size=HIDDEN_SIZE // 2)
+    del text["intermediate_size"]
+    return Qwen3_5MoeConfig(text_config=text, vision_config=vision, **top)
 
 
 def _to_hub_expert_layout(safetensors_path: Path, hidden: int, moe_intermediate: int) -> None:

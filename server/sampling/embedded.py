@@ -43,6 +43,7 @@ from server.models.logprobs import mask_refused, refused_ids_tensor, renormalise
 from server.models.vision_features import VisionEncoder
 from server.rendering.chunks import position_ids
 from server.sampling.adapters import SamplerAdapters
+from server.sampling.batch_cache import append_rows, drop_left, new_cache, select_rows
 from server.sampling.draws import best_alternatives, draw, sample_tokens, seeded_generator
 from server.sampling.prefix_cache import PrefixCache, Segment, block_keys, content_ids
 from server.sampling.types import PromptAltTokens, SampledSequence, SampleOutput, SamplingRequest
@@ -75,6 +76,8 @@ class EngineModel:
     vision_encoder: VisionEncoder | None = None
     refused_token_ids: frozenset[int] = frozenset()
     """Never sampled: the media placeholders."""
+    hybrid: bool = False
+    """Some layers are linear attention (`ModelFamily.hybrid`): no prefix cache."""
 
     @property
     def device(self) -> torch.device:
@@ -87,7 +90,7 @@ def load_engine_model(config: ModelConfig, feature_cache_bytes: int) -> EngineMo
     _, slot = apply_lora_wrappers(base.model, base.family)
     encoder = VisionEncoder(base.model, feature_cache_bytes) if base.vision is not None else None
     refused = base.vision.reserved_token_ids if base.vision is not None else frozenset()
-    return EngineModel(base.model, slot, base.tokenizer, base.vision, encoder, refused)
+    return EngineModel(base.model, slot, base.tokenizer, base.vision, encoder, refused, base.family.hybrid)
 
 
 @dataclass
@@ -400,7 +403,9 @@ class _Batch:
     def __init__(self, engine_model: EngineModel, max_batch_tokens: int, prefix_cache_bytes: int = 0):
         self.m = engine_model
         self.max_batch_tokens = max_batch_tokens
-        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+        # A linear-attention layer's state covers a whole sequence: it cannot be cut at a shared prefix.
+        self.prefix_cache = (PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and not engine_model.hybrid
+                             else None)
         self.device = engine_model.device
         self.dtype = next(engine_model.model.parameters()).dtype
         self.refused_M = refused_ids_tensor(engine_model.refused_token_ids, self.device)
@@ -500,7 +505,7 @@ class _Batch:
                 self._keep(cache, row, len(plan.view.sequence), plan.view.block_keys)
         samples_M = torch.tensor([part.count for part in parts], device=self.device)
         expand_R = torch.repeat_interleave(torch.arange(len(parts), device=self.device), samples_M)
-        cache.batch_select_indices(expand_R)
+        select_rows(cache, expand_R)
         self._merge(cache, mask_MP[expand_R], next_position_M[expand_R],
                     [(part.active, part.first + index) for part in parts for index in range(part.count)])
         first = len(self.rows) - len(expand_R)
@@ -545,7 +550,7 @@ class _Batch:
         if images:
             kwargs["mm_encoder_outputs"] = self.m.vision_encoder.encoder_outputs(images)
         adapter_M = self._adapter_indices([plan.part.active.adapter for plan in plans])
-        cache = DynamicCache()
+        cache = new_cache(self.m.model.config.get_text_config(), self.m.hybrid)
         if past:
             layers = next(len(plan.segment.keys_HLD) for plan in plans if plan.cached)
             for layer in range(layers):
@@ -641,11 +646,7 @@ class _Batch:
         else:
             old, new = self.mask_RL.shape[1], mask_NP.shape[1]
             width = max(old, new)
-            for kept, joining in zip(self.cache.layers, cache.layers):
-                kept.keys = torch.cat([F.pad(kept.keys, (0, 0, width - old, 0)),
-                                       F.pad(joining.keys, (0, 0, width - new, 0))])
-                kept.values = torch.cat([F.pad(kept.values, (0, 0, width - old, 0)),
-                                         F.pad(joining.values, (0, 0, width - new, 0))])
+            append_rows(self.cache, cache, old, new)
             self.mask_RL = torch.cat([F.pad(self.mask_RL, (width - old, 0)), F.pad(mask_NP, (width - new, 0))])
         self.position_R = torch.cat([self.position_R, next_position_N])
         self.token_R = torch.cat([self.token_R, torch.zeros_like(next_position_N)])
@@ -739,14 +740,13 @@ class _Batch:
             return
         self.rows = [self.rows[row] for row in keep]
         keep_R = torch.tensor(keep, device=self.device)
-        self.cache.batch_select_indices(keep_R)
+        select_rows(self.cache, keep_R)
         (self.mask_RL, self.position_R, self.token_R, self.row_adapter_R, self.temperature_R, self.top_k_R,
          self.top_p_R) = (t[keep_R] for t in (self.mask_RL, self.position_R, self.token_R, self.row_adapter_R,
                                               self.temperature_R, self.top_k_R, self.top_p_R))
         first_used = int(self.mask_RL.any(dim=0).nonzero()[0])
         if first_used > 0:
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[..., first_used:, :], layer.values[..., first_used:, :]
+            drop_left(self.cache, first_used)
             self.mask_RL = self.mask_RL[:, first_used:]
 
     def _keep_conversation(self, row: int, active: _Active) -> None:

@@ -11,7 +11,7 @@ from server.rendering.chunks import RenderContext
 from server.rendering.images import ImagePreparer
 
 VISION_MODELS = ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2.5-vl", "builtin:tiny-qwen3-vl",
-                 "builtin:tiny-qwen3-vl-moe"]
+                 "builtin:tiny-qwen3-vl-moe", "builtin:tiny-qwen3.5", "builtin:tiny-qwen3.5-moe"]
 MAX_LENGTH = 4096
 
 

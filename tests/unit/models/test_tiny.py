@@ -111,7 +111,8 @@ def test_every_builtin_loads_with_transformers_and_runs_forward(cache_dir, name)
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the answer?"}], add_generation_prompt=True, return_dict=True,
         return_tensors="pt")
-    assert prompt["input_ids"][0, -3:].tolist() == tokenizer.encode("<|im_start|>assistant\n")
+    header = "<|im_start|>assistant\n" + ("<think>\n" if name.startswith("tiny-qwen3.5") else "")
+    assert tokenizer.decode(prompt["input_ids"][0]).endswith("<|im_end|>\n" + header)
     with torch.no_grad():
         logits = model(input_ids=prompt["input_ids"]).logits
     assert logits.shape == (1, prompt["input_ids"].shape[1], meta["model_vocab_size"])
@@ -193,3 +194,18 @@ def test_cli_writes_a_model_directory(cache_dir, tmp_path):
                    cwd=REPO_ROOT, check=True, capture_output=True)
     # A separate process reproduces the in-process build byte for byte.
     assert _files(out) == _files(cache_dir / "tiny-qwen3")
+
+
+@pytest.mark.parametrize("renderer_name", ["qwen3_5", "qwen3_5_disable_thinking"])
+def test_qwen3_5_chat_template_renders_the_cookbooks_generation_prompt(cache_dir, renderer_name):
+    from tinker_cookbook.image_processing_utils import get_image_processor
+    from tinker_cookbook.renderers import get_renderer
+
+    path = cache_dir / "tiny-qwen3.5"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    renderer = get_renderer(renderer_name, tokenizer, image_processor=get_image_processor(str(path)))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": " again "}]
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             enable_thinking=renderer_name == "qwen3_5")
+    assert renderer.build_generation_prompt(messages).to_ints() == list(expected["input_ids"])

@@ -1,7 +1,8 @@
 """The embedded engine under concurrency: requests of several adapters, prompts (with images) and
 options share its batch, join it while it decodes and leave it when they stop; each gets exactly the
 samples and logprobs it gets alone, equal to a full forward with its own adapter. Media placeholders
-are never sampled, whatever the model prefers. The tiny Qwen2-VL; references run on a second copy.
+are never sampled, whatever the model prefers. The tiny Qwen2-VL, and the tiny Qwen3.5 for a batch whose
+linear-attention rows carry a recurrent state; references run on a second copy.
 
 Shapes: T = positions, V = vocabulary.
 """
@@ -23,6 +24,7 @@ from support.engines import adapter, logged_engine
 from support.vision import context_for, encode, load, noise_image
 
 BASE_MODEL = "builtin:tiny-qwen2-vl"
+HYBRID_MODEL = "builtin:tiny-qwen3.5"
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +115,25 @@ def run_concurrently(engine: EmbeddedEngine, requests: list[SamplingRequest]) ->
     return results
 
 
+@pytest.fixture(scope="module")
+def hybrid(models_dir):
+    """Qwen3.5's hybrid layers (linear attention between full attention): the engine and a reference copy."""
+    base = load(HYBRID_MODEL, models_dir)
+    targets, slot = apply_lora_wrappers(base.model, base.family)
+    engine = logged_engine(HYBRID_MODEL, models_dir, lambda engine_model, call: None)
+    yield engine, (base, targets, slot)
+    engine.close()
+
+
 def test_concurrent_requests_of_several_adapters_each_get_their_own_samples_and_logprobs(engine, reference):
+    check_concurrent_requests_of_several_adapters(engine, reference)
+
+
+def test_on_a_hybrid_model_rows_that_join_and_leave_keep_their_own_recurrent_state(hybrid):
+    check_concurrent_requests_of_several_adapters(*hybrid)
+
+
+def check_concurrent_requests_of_several_adapters(engine, reference) -> None:
     base, targets, _ = reference
     adapters = [adapter(targets, 1, 4), adapter(targets, 2, 8, train_unembed=False), None]
     options = [SamplingOptions(max_tokens=8, temperature=0.0), SamplingOptions(max_tokens=12, seed=3),

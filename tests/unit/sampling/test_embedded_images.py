@@ -14,7 +14,8 @@ from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
 from support.vision import context_for, encode, load, noise_image
 
 
-@pytest.fixture(scope="module", params=["builtin:tiny-qwen2-vl", "builtin:tiny-qwen3-vl"])
+@pytest.fixture(scope="module", params=["builtin:tiny-qwen2-vl", "builtin:tiny-qwen3-vl", "builtin:tiny-qwen3.5",
+                                        "builtin:tiny-qwen3.5-moe"])
 def setup(request, models_dir):
     base = load(request.param, models_dir)  # the reference copy; the engine loads its own
     context = context_for(base, ImageConfig())
