@@ -27,7 +27,9 @@ from support.live_server import LiveServer, start_server
 from server.models.builtin import ensure_builtin_model
 
 TEXT_MODEL = "Qwen/Qwen3-8B"  # model_info: renderer qwen3; served by the tiny qwen3
-VISION_MODEL = "Qwen/Qwen3-VL-30B-A3B-Instruct"  # renderer qwen3_vl_instruct; a MoE, like tiny-qwen3-vl-moe
+# The recipe's default model: a hybrid MoE VLM (model_type qwen3_5_moe), like tiny-qwen3.5-moe
+VISION_MODEL = "Qwen/Qwen3.6-35B-A3B"
+VISION_RENDERER = "qwen3_5_disable_thinking"
 RECIPE_SECONDS = 300
 
 
@@ -55,7 +57,7 @@ def text_server(workdir: Path, models_dir: Path, tmp_path_factory: pytest.TempPa
 @pytest.fixture(scope="module")
 def vision_workdir(workdir: Path, models_dir: Path) -> Path:
     """The same directory, plus the tiny VLM under its hub name and the Caltech-101 stand-in."""
-    link(workdir / VISION_MODEL, ensure_builtin_model("tiny-qwen3-vl-moe", models_dir))
+    link(workdir / VISION_MODEL, ensure_builtin_model("tiny-qwen3.5-moe", models_dir))
     write_caltech101(workdir)
     return workdir
 
@@ -164,7 +166,7 @@ import json
 from tinker_cookbook.recipes.vlm_classifier.data import get_dataset_builder
 from tinker_cookbook.recipes.vlm_classifier.eval import get_evaluator_builder
 
-common = dict(dataset="caltech101", model_name_for_tokenizer="{VISION_MODEL}", renderer_name="qwen3_vl_instruct")
+common = dict(dataset="caltech101", model_name_for_tokenizer="{VISION_MODEL}", renderer_name="{VISION_RENDERER}")
 train, test = get_dataset_builder(**common, batch_size=4, run_nll_evaluator=True)()
 data = [datum for index in range(len(train)) for datum in train.get_batch(index)]
 evaluator = get_evaluator_builder(**common, n_eval=4)()
@@ -202,7 +204,7 @@ def vision_server(vision_workdir: Path, models_dir: Path, tmp_path_factory: pyte
 def test_vlm_classifier_trains_on_caltech101_and_its_eval_cli_scores_the_checkpoint(vision_server, vision_workdir):
     experiments = vision_workdir / "runs" / "vlm_classifier"
     run_recipe(vision_server, vision_workdir, "vlm_classifier.train", f"experiment_dir={experiments}",
-                      "dataset=caltech101", f"model_name={VISION_MODEL}", "renderer_name=qwen3_vl_instruct",
+                      "dataset=caltech101", f"model_name={VISION_MODEL}", f"renderer_name={VISION_RENDERER}",
                       "batch_size=4", "num_epochs=2", "learning_rate=1e-3", "lora_rank=8", "save_every=4",
                       "eval_every=4", "n_eval=8", "max_tokens=16", "behavior_if_log_dir_exists=delete",
                       f"base_url={vision_server.url}")

@@ -1,6 +1,7 @@
 """Multi-turn vision-language RL against a live server on the built-in tiny Qwen2-VL: the grid-walk example
 trained by the cookbook's RL loop (as its README section runs it) and by the bare SDK, a long episode
-with many images, and an image token count the server disagrees with."""
+with many images, and an image token count the server disagrees with; and the grid walk on the tiny
+Qwen3.5-MoE (hybrid linear attention, routed experts)."""
 
 import json
 import math
@@ -19,6 +20,7 @@ from server.models.builtin import ensure_builtin_model
 from support.live_server import REPO_ROOT, LiveServer, start_server
 
 MODEL = "builtin:tiny-qwen2-vl"
+HYBRID_MODEL = "builtin:tiny-qwen3.5-moe"
 
 
 @pytest.fixture(scope="module")
@@ -34,23 +36,28 @@ def client(vlm_server: LiveServer):
         yield service_client
 
 
-def test_the_grid_walk_example_trains_with_the_cookbooks_rl_loop(vlm_server, models_dir, tmp_path):
-    log = tmp_path / "grid_walk"
-    env = dict(os.environ, TINKER_API_KEY=vlm_server.api_key, TINKER_TELEMETRY="0", PYTHONPATH=str(REPO_ROOT))
+def run_grid_walk(server: LiveServer, model: str, models_dir: Path, log: Path) -> list[dict]:
+    """The grid-walk example through the cookbook's RL loop, as its README section runs it; its RL steps' metrics."""
+    env = dict(os.environ, TINKER_API_KEY=server.api_key, TINKER_TELEMETRY="0", PYTHONPATH=str(REPO_ROOT))
     done = subprocess.run(
-        [sys.executable, "-m", "client_compat.examples.grid_walk", f"model_name={MODEL}",
-         f"model_dir={ensure_builtin_model('tiny-qwen2-vl', models_dir)}", f"base_url={vlm_server.url}",
+        [sys.executable, "-m", "client_compat.examples.grid_walk", f"model_name={model}",
+         f"model_dir={ensure_builtin_model(model.removeprefix('builtin:'), models_dir)}", f"base_url={server.url}",
          f"log_path={log}", "batch_size=2", "group_size=2", "max_turns=3", "max_tokens=6", "max_steps=2",
          "learning_rate=1e-3"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
-    assert done.returncode == 0, f"{done.stdout[-6000:]}\n--- server log ---\n{vlm_server.log()}"
-
+        cwd=log.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 0, f"{done.stdout[-6000:]}\n--- server log ---\n{server.log()}"
     rows = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "env/all/turns_per_episode" in row]
     assert len(steps) == 2
     for row in steps:
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
         assert row["env/all/total_episodes"] == 4 and row["env/all/turns_per_episode"] > 1
+    return steps
+
+
+def test_the_grid_walk_example_trains_with_the_cookbooks_rl_loop(vlm_server, models_dir, tmp_path):
+    steps = run_grid_walk(vlm_server, MODEL, models_dir, tmp_path / "grid_walk")
+    for row in steps:
         assert row["env/all/tito/fell_back"] == 0.0
         # One datum per episode trains fewer tokens than the prompts of all turns hold together; a datum
         # per turn (the cookbook's fallback when an observation does not extend the last one) trains more.
@@ -104,3 +111,16 @@ def test_an_image_token_count_the_server_disagrees_with_is_surfaced_clearly(clie
                                                            {"type": "text", "text": "What is it?"}]}])
     with pytest.raises(ImageTokensMismatch, match=r"Expected 64 tokens, got 4 from image.*tokenizer_id"):
         episode.sample(sampler, max_tokens=2)
+
+
+def test_the_grid_walk_trains_a_hybrid_moe_vlm_with_pictures_in_later_turns(models_dir, tmp_path):
+    # Qwen3.5 / Qwen3.6's layout: linear-attention layers, routed experts. Its template writes an earlier
+    # turn without the think block its prompt opened, so most turns become datums of their own.
+    live = start_server(tmp_path / "server", None, models_dir, base_model=HYBRID_MODEL)
+    try:
+        steps = run_grid_walk(live, HYBRID_MODEL, models_dir, tmp_path / "grid_walk")
+    finally:
+        live.stop()
+    for row in steps:
+        assert row["tokens/trained"] > 0 and row["env/all/total_turns"] > row["env/all/total_episodes"]
+        assert abs(row["optim/kl_sample_train_v1"]) < 1e-3  # the sampler's and the trainer's logprobs agree
