@@ -124,7 +124,7 @@ class VLLMConfig:
     chunked_prefill: bool = True
     """Split long prefills over steps. Turn it off on CPU: there a seeded request whose prefill was
     split draws extra random numbers (CPU generators cannot rewind), so its samples would depend on
-    the load."""
+    the load. Hybrid models (Qwen3.5) keep it on: vLLM serves their linear attention only so."""
     startup_timeout_s: float = 600.0
     max_restarts: int = 3
     """Crashes after which the supervisor stops restarting and every request fails with a 503."""

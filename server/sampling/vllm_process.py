@@ -27,13 +27,14 @@ from dataclasses import dataclass
 
 from server.config import VLLMConfig
 from server.errors import EngineUnavailable
-from server.models.registry import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+from server.models.registry import ATTENTION_PROJECTIONS, LINEAR_ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from server.progress import Progress
 
 logger = logging.getLogger(__name__)
 
-LORA_TARGET_MODULES = (*ATTENTION_PROJECTIONS, *MLP_PROJECTIONS, "lm_head")
-"""Layers vLLM adapts: every layer the trainer may (lm_head through the plugin's variants)."""
+LORA_TARGET_MODULES = (*ATTENTION_PROJECTIONS, *LINEAR_ATTENTION_PROJECTIONS, *MLP_PROJECTIONS, "experts", "lm_head")
+"""Layers vLLM adapts: every layer the trainer may (lm_head through the plugin's variants; a MoE's
+fused experts as vLLM's module `experts`)."""
 PLUGIN_ARCHITECTURE_PREFIX = "Tinker"
 """The plugin registers architecture X as TinkerX (vllm_plugin/tinker_vllm_plugin)."""
 
@@ -49,6 +50,8 @@ class ServedModel:
     refused_token_ids: frozenset[int] = frozenset()
     """Never sampled (the media placeholders): the plugin's variant masks them."""
     max_images_per_prompt: int = 16
+    hybrid: bool = False
+    """Linear-attention layers (`ModelFamily.hybrid`): vLLM serves them with chunked prefill only."""
 
 _LOG_TAIL_BYTES = 4000
 
@@ -289,7 +292,7 @@ def vllm_command(config: VLLMConfig, model: ServedModel, port: int, scale_out_fl
                     "--lora-target-modules", *LORA_TARGET_MODULES]
     if config.enforce_eager:
         command.append("--enforce-eager")
-    if not config.chunked_prefill:
+    if not config.chunked_prefill and not model.hybrid:
         # Every prompt must then fit in one step's token budget.
         command += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(config.max_model_len, 2048))]
     return command + extra_args

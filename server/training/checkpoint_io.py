@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from server.errors import InvalidRequest
 from server.training.lora import LoraAdapter
+from server.training.lora_experts import peft_target_parameters
 from server.wire.types import LoraConfig
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -74,13 +75,16 @@ def save_peft_adapter(directory: Path, adapter: LoraAdapter, base_model: str,
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(adapter.peft_state_dict(), str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    experts = peft_target_parameters(list(adapter.lora_A))
     peft_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": adapter.rank, "lora_alpha": adapter.alpha, "lora_dropout": 0.0, "bias": "none",
         # Full module paths: short names like "gate_proj" would also match the vision tower.
-        "target_modules": sorted(adapter.lora_A), "fan_in_fan_out": False, "use_rslora": False,
-        "init_lora_weights": True, "modules_to_save": None,
+        "target_modules": sorted(set(adapter.lora_A) - set(experts)), "fan_in_fan_out": False,
+        "use_rslora": False, "init_lora_weights": True, "modules_to_save": None,
     }
+    if experts:  # a MoE's routed experts: fused 3-D parameters, not modules
+        peft_config["target_parameters"] = sorted(experts.values())
     (directory / ADAPTER_CONFIG).write_text(json.dumps(peft_config, indent=2))
     if lora_config is not None:
         (directory / META).write_text(json.dumps({"format": 1, "base_model": base_model, "num_steps": num_steps,

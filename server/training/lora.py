@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from server.models.registry import ModelFamily
+from server.training.lora_experts import ExpertProjection, LoraExperts, is_routed_experts
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,15 @@ class LoraTarget:
     """attn | mlp | unembed: which LoraConfig flag selects it."""
     in_features: int
     out_features: int
+    experts: int = 0
+    """For a MoE layer's fused routed experts (lora_experts.py): how many; A and B hold that many ranks."""
 
 
 class AdapterSlot:
     """The LoRA layers of one model copy; what they add is set by `use_adapter` / `use_adapter_rows`."""
 
     def __init__(self):
-        self.layers: list[LoraLinear] = []
+        self.layers: list[LoraLinear | ExpertProjection] = []
 
 
 class LoraLinear(nn.Module):
@@ -81,6 +84,16 @@ class LoraLinear(nn.Module):
     @property
     def adapted(self) -> bool:
         return self.lora_A is not None or self.grouped_A is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.weight.device
+
+    @staticmethod
+    def stacked(lora_As: list[torch.Tensor], lora_Bs: list[torch.Tensor],
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several adapters' factors side by side: A [J, in] and B [out, J]."""
+        return torch.cat(lora_As).to(dtype), torch.cat(lora_Bs, dim=1).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -176,10 +189,11 @@ class LoraAdapter:
         generator = torch.Generator().manual_seed(seed)
         lora_A, lora_B = {}, {}
         for target in targets:
+            ranks = rank * max(1, target.experts)  # routed experts: one rank-r pair per expert
             bound = 1.0 / math.sqrt(target.in_features)  # kaiming_uniform with a=sqrt(5), as PEFT does
-            a = (torch.rand(rank, target.in_features, generator=generator) * 2 - 1) * bound
+            a = (torch.rand(ranks, target.in_features, generator=generator) * 2 - 1) * bound
             lora_A[target.name] = a.to(device).requires_grad_(True)
-            lora_B[target.name] = torch.zeros(target.out_features, rank, device=device, requires_grad=True)
+            lora_B[target.name] = torch.zeros(target.out_features, ranks, device=device, requires_grad=True)
         return cls(rank, alpha, lora_A, lora_B)
 
     def parameters(self) -> list[torch.Tensor]:
@@ -243,13 +257,13 @@ class AdapterStack:
                         if adapter is not None and layer.name in adapter.lora_A]
             if not adapting:
                 continue  # no adapter of the batch adapts this layer
-            self.lora_A[layer.name] = torch.cat([self.adapters[i].lora_A[layer.name] for i in adapting]).to(dtype)
-            self.lora_B[layer.name] = torch.cat([self.adapters[i].lora_B[layer.name] for i in adapting],
-                                                dim=1).to(dtype)
+            self.lora_A[layer.name], self.lora_B[layer.name] = layer.stacked(
+                [self.adapters[i].lora_A[layer.name] for i in adapting],
+                [self.adapters[i].lora_B[layer.name] for i in adapting], dtype)
             columns = self.columns[layer.name] = tuple(adapting)
             if columns not in self._column_scales:
                 owners = [i for i in columns for _ in range(self.adapters[i].rank)]
-                device = layer.base.weight.device
+                device = layer.device
                 self._column_scales[columns] = (
                     torch.tensor(owners, device=device),
                     torch.tensor([self.adapters[i].scale for i in owners], dtype=dtype, device=device))
@@ -297,8 +311,8 @@ def _clear(slot: AdapterSlot) -> None:
 
 
 def apply_lora_wrappers(model: nn.Module, family: ModelFamily) -> tuple[list[LoraTarget], AdapterSlot]:
-    """Wrap every linear layer LoRA may target (decoder attention/MLP and the unembedding), and join
-    the wrappers of each block that read the same input (`family.shared_input_modules`).
+    """Wrap every layer LoRA may target (decoder attention/MLP, a MoE's routed experts, the unembedding),
+    and join the wrappers of each block that read the same input (`family.shared_input_modules`).
 
     Returns the targets and the slot through which callers choose the adapter these layers add.
     """
@@ -306,9 +320,18 @@ def apply_lora_wrappers(model: nn.Module, family: ModelFamily) -> tuple[list[Lor
     slot = AdapterSlot()
     targets = []
     for name, module in list(model.named_modules()):
+        leaf = name.rpartition(".")[2]
+        if name.startswith(family.language_model_prefix) and leaf == family.routed_experts \
+                and is_routed_experts(module):
+            wrapper = LoraExperts(module, name)
+            setattr(model.get_submodule(name.rpartition(".")[0]), leaf, wrapper)
+            for projection in (wrapper.gate_up, wrapper.down):
+                slot.layers.append(projection)
+                targets.append(LoraTarget(projection.name, "mlp", projection.in_features, projection.out_features,
+                                          projection.num_experts))
+            continue
         if not isinstance(module, nn.Linear):
             continue
-        leaf = name.rpartition(".")[2]
         if name == family.unembed_module:
             kind = "unembed"
         elif name.startswith(family.language_model_prefix) and leaf in kinds:

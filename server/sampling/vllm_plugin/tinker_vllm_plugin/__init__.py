@@ -13,6 +13,8 @@ ARCHITECTURES = (
     ("Qwen2_5_VLForConditionalGeneration", "vllm.model_executor.models.qwen2_5_vl"),
     ("Qwen3VLForConditionalGeneration", "vllm.model_executor.models.qwen3_vl"),
     ("Qwen3VLMoeForConditionalGeneration", "vllm.model_executor.models.qwen3_vl_moe"),
+    ("Qwen3_5ForConditionalGeneration", "vllm.model_executor.models.qwen3_5"),
+    ("Qwen3_5MoeForConditionalGeneration", "vllm.model_executor.models.qwen3_5"),
     ("Qwen2ForCausalLM", "vllm.model_executor.models.qwen2"),
     ("Qwen3ForCausalLM", "vllm.model_executor.models.qwen3"),
     ("LlamaForCausalLM", "vllm.model_executor.models.llama"),

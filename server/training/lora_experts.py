@@ -1,0 +1,139 @@
+"""LoRA on a mixture-of-experts block's routed experts: per-expert A and B inside the expert computation.
+
+transformers keeps a MoE layer's routed experts as two fused tensors, gate_up_proj [E, 2I, H] and
+down_proj [E, H, I] (gate and up concatenated, each expert's weight as nn.Linear would hold it).
+`LoraExperts` replaces the experts module's forward with the same computation (tokens grouped by
+expert, gate and up, the activation, down, the router's weights, summed back per token) plus, for
+each expert, the delta of its own LoRA factors on both projections, for one adapter or one per row.
+
+An adapter stores each projection's factors in PEFT's layout for fused expert parameters (its
+`target_parameters`), which vLLM also reads: for the module path P of the experts,
+`P.base_layer` is gate_up_proj and `P` is down_proj, with A [E * r, in] (expert-major rows, expert e's
+A is rows e*r to e*r + r) and B [out, r * E] (column k*E + e is column k of expert e's B).
+
+Shapes: E experts, N tokens (rows x positions, flattened), K experts per token, T tokens routed to one
+expert, H hidden, I expert intermediate, J stacked LoRA columns, B rows of the batch.
+"""
+
+import torch
+from torch import nn
+
+# The module path suffixes PEFT gives fused expert parameters: gate_up_proj's LoRA sits on the experts
+# module's "base_layer", down_proj's on the module itself.
+GATE_UP_SUFFIX = ".base_layer"
+
+
+def peft_target_parameters(names: list[str]) -> dict[str, str]:
+    """Of an adapter's module names, those of fused expert projections, each with the parameter PEFT's
+    `target_parameters` names for it (P.base_layer -> P.gate_up_proj, P -> P.down_proj)."""
+    fused = {name.removesuffix(GATE_UP_SUFFIX) for name in names if name.endswith(GATE_UP_SUFFIX)}
+    return {**{name + GATE_UP_SUFFIX: name + ".gate_up_proj" for name in fused},
+            **{name: name + ".down_proj" for name in fused if name in names}}
+
+
+def is_routed_experts(module: nn.Module) -> bool:
+    """transformers' fused experts: 3-D gate_up_proj and down_proj parameters."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+
+
+class ExpertProjection:
+    """One fused projection of the experts (gate_up or down): what an adapter adds to it, per expert.
+
+    Holds the same settings as a LoraLinear (`use_adapter` / `use_adapter_rows` put them in place), so
+    that the adapter machinery treats both alike; it computes nothing on its own (LoraExperts does).
+    """
+
+    def __init__(self, name: str, num_experts: int, in_features: int, out_features: int, device: torch.device):
+        self.name = name
+        self.num_experts = num_experts
+        self.in_features = in_features
+        self.out_features = out_features
+        self.device = device
+        self.lora_A: torch.Tensor | None = None
+        self.lora_B: torch.Tensor | None = None
+        self.scale = 1.0
+        self.grouped_A: torch.Tensor | None = None
+        """[E, J, in]: the stacked adapters' A of each expert."""
+        self.grouped_B: torch.Tensor | None = None
+        """[E, out, J]."""
+        self.row_scale_BJ: torch.Tensor | None = None
+        self.siblings = None  # experts share no input with another LoRA layer
+
+    @property
+    def adapted(self) -> bool:
+        return self.lora_A is not None or self.grouped_A is not None
+
+    def per_expert(self, lora_A: torch.Tensor, lora_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One adapter's factors as [E, r, in] and [E, out, r]."""
+        return (lora_A.view(self.num_experts, -1, self.in_features),
+                lora_B.view(self.out_features, -1, self.num_experts).permute(2, 0, 1))
+
+    def stacked(self, lora_As: list[torch.Tensor], lora_Bs: list[torch.Tensor],
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Several adapters' factors side by side per expert: [E, J, in] and [E, out, J]."""
+        pairs = [self.per_expert(a, b) for a, b in zip(lora_As, lora_Bs)]
+        return (torch.cat([a for a, _ in pairs], dim=1).to(dtype), torch.cat([b for _, b in pairs], dim=2).to(dtype))
+
+    def factors(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A [E, J, in] and B [E, out, J] in `dtype`, and each row's scale on each column [B, J] (None: one
+        adapter, its scale folded into A)."""
+        if self.grouped_A is not None:
+            return self.grouped_A.to(dtype), self.grouped_B.to(dtype), self.row_scale_BJ.to(dtype)
+        lora_A, lora_B = self.per_expert(self.lora_A * self.scale, self.lora_B)
+        return lora_A.to(dtype), lora_B.to(dtype), None
+
+
+class LoraExperts(nn.Module):
+    """A MoE layer's routed experts with per-expert LoRA on gate_up_proj and down_proj."""
+
+    def __init__(self, base: nn.Module, name: str):
+        super().__init__()
+        self.base = base
+        num_experts, double_intermediate, hidden = base.gate_up_proj.shape
+        device = base.gate_up_proj.device
+        self.gate_up = ExpertProjection(name + GATE_UP_SUFFIX, num_experts, hidden, double_intermediate, device)
+        self.down = ExpertProjection(name, num_experts, double_intermediate // 2, hidden, device)
+
+    def forward(self, hidden_NH: torch.Tensor, top_k_index_NK: torch.Tensor,
+                top_k_weights_NK: torch.Tensor) -> torch.Tensor:
+        if not (self.gate_up.adapted or self.down.adapted):
+            return self.base(hidden_NH, top_k_index_NK, top_k_weights_NK)
+        gate_up = self.gate_up.factors(hidden_NH.dtype) if self.gate_up.adapted else None
+        down = self.down.factors(hidden_NH.dtype) if self.down.adapted else None
+        num_experts, k = self.base.gate_up_proj.shape[0], top_k_index_NK.shape[1]
+        # Per-row adapters: the flattened tokens are rows of equal length, one after another.
+        row_scales = [f[2] for f in (gate_up, down) if f is not None and f[2] is not None]
+        tokens_per_row = hidden_NH.shape[0] // (row_scales[0].shape[0] if row_scales else 1)
+        # Every (token, choice) pair grouped by expert: one slice of tokens per expert.
+        expert_A = top_k_index_NK.flatten()
+        order_A = torch.argsort(expert_A, stable=True)
+        token_A, weight_A = order_A // k, top_k_weights_NK.flatten()[order_A]
+        counts = torch.bincount(expert_A, minlength=num_experts).tolist()
+        output_NH = torch.zeros_like(hidden_NH)
+        start = 0
+        for expert, count in enumerate(counts[:num_experts]):
+            if count == 0:
+                continue
+            token_T = token_A[start:start + count]
+            routed = slice(start, start + count)
+            start += count
+            x_TH = hidden_NH[token_T]
+            row_T = token_T // tokens_per_row
+            gate_up_TI = _with_delta(x_TH @ self.base.gate_up_proj[expert].T, x_TH, gate_up, expert, row_T)
+            gate_TI, up_TI = gate_up_TI.chunk(2, dim=-1)
+            h_TI = self.base.act_fn(gate_TI) * up_TI
+            y_TH = _with_delta(h_TI @ self.base.down_proj[expert].T, h_TI, down, expert, row_T)
+            output_NH.index_add_(0, token_T, (y_TH * weight_A[routed, None]).to(output_NH.dtype))
+        return output_NH
+
+
+def _with_delta(y_TO: torch.Tensor, x_TI: torch.Tensor, factors, expert: int, row_T: torch.Tensor) -> torch.Tensor:
+    """y plus expert `expert`'s LoRA delta of input x (per-row adapters scale their own columns)."""
+    if factors is None:
+        return y_TO
+    lora_A_EJI, lora_B_EOJ, row_scale_BJ = factors
+    mid_TJ = x_TI @ lora_A_EJI[expert].T
+    if row_scale_BJ is not None:
+        mid_TJ = mid_TJ * row_scale_BJ[row_T]
+    return y_TO + mid_TJ @ lora_B_EOJ[expert].T
