@@ -1,8 +1,9 @@
 """Training throughput of the server's FSDP2 trainer, in-process and through the HTTP API, side by side.
 
-Qwen3-VL-4B- and 8B-shaped models with random weights built from a config (no hub), LoRA rank 32 on
-every linear layer of the language model, 32 sequences x 2048 tokens per step, one 448x448 image
-per sequence (or text only). For each shape and variant it runs (a) the training backend called
+Qwen3-VL-4B- and 8B-shaped models, and Qwen3.5-4B- and Qwen3.6-35B-A3B-shaped ones (hybrid linear
+attention; the second a MoE), with random weights built from a config (no hub), LoRA rank 32 on
+every linear layer of the language model (and every routed expert of a MoE), 32 sequences x 2048
+tokens per step, one 448x448 image per sequence (or text only). For each shape and variant it runs (a) the training backend called
 in-process (the trainer the server builds, fed datums rendered exactly as the API renders them)
 and (b) the same steps through `python -m server` driven by the tinker SDK, and prints
 tokens/s/GPU, MFU, peak memory and the ratio (b)/(a). Each mode runs in a process of its own, so that
@@ -13,6 +14,11 @@ weight gradient): 4 x N_llm (every matmul parameter of the language model, the u
 included) + 6 x L x H x T for causal attention (L layers, H = heads x head_dim, T = sequence
 length), + 2 x N_vision per image patch in the steps where the vision tower runs (image features
 are cached by content, so a repeated image is encoded once). LoRA's own matmuls are not counted.
+Qwen3.5's full-attention layers count their gated query (q_proj is twice as wide) and attention
+over the sequence as above; its Gated DeltaNet layers count their projections in N_llm, plus 2 x 6 x
+d_k x d_v per value head and token for the recurrence (reading the state with q and k and updating
+it: three d_k x d_v products forward, and as much again for the backward to the activations). A
+MoE counts only the experts a token is routed to, and its shared expert (MFU by active parameters).
 
     python benchmarks/train_throughput.py --shapes 4b --variants image,text --gpus 1
 """
@@ -48,6 +54,10 @@ from server.wire.types import AdamParams, Datum, EncodedTextChunk, ImageChunk, L
 
 # Qwen3-VL's M-RoPE for head_dim 128 (the sections sum to head_dim / 2; vLLM checks it, HF does not).
 QWEN3_VL_ROPE = dict(rope_type="default", rope_theta=5_000_000.0, mrope_section=[24, 20, 20], mrope_interleaved=True)
+QWEN3_5_ROPE = dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                    mrope_section=[11, 11, 10], mrope_interleaved=True)
+QWEN3_5_LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                      linear_value_head_dim=128, linear_conv_kernel_dim=4)
 SHAPES = {
     # Qwen3-VL-4B-Instruct and -8B-Instruct: language model and vision tower sizes.
     "4b": dict(text=dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
@@ -60,6 +70,26 @@ SHAPES = {
                vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
                            deepstack_visual_indexes=[8, 16, 24], num_position_embeddings=2304),
                tie_word_embeddings=False),
+    # Qwen3.5-4B (config.json of the release; the vision tower's sizes as Qwen3-VL-4B's).
+    "qwen3.5-4b": dict(family="qwen3.5",
+                       text=dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
+                                 num_key_value_heads=4, head_dim=256, vocab_size=248320,
+                                 layer_types=["linear_attention"] * 3 + ["full_attention"], **QWEN3_5_LINEAR,
+                                 rope_parameters=QWEN3_5_ROPE),
+                       vision=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                                   out_hidden_size=2560, num_position_embeddings=2304),
+                       tie_word_embeddings=True),
+    # Qwen3.6-35B-A3B (and Qwen3.5-35B-A3B): 256 experts, 8 routed and one shared per token.
+    "qwen3.6-35b-a3b": dict(family="qwen3.5-moe",
+                            text=dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                                      num_key_value_heads=2, head_dim=256, vocab_size=248320, num_experts=256,
+                                      num_experts_per_tok=8, moe_intermediate_size=512,
+                                      shared_expert_intermediate_size=512,
+                                      layer_types=["linear_attention"] * 3 + ["full_attention"], **QWEN3_5_LINEAR,
+                                      rope_parameters=QWEN3_5_ROPE),
+                            vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                                        out_hidden_size=2048, num_position_embeddings=2304),
+                            tie_word_embeddings=False),
     # For trying the script on a CPU: the same structure, tiny.
     "tiny": dict(text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=64, vocab_size=4096),
@@ -73,7 +103,7 @@ ADAM = AdamParams(learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8)
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="4b", help="comma-separated: 4b, 8b, tiny")
+    parser.add_argument("--shapes", default="4b", help="comma-separated: 4b, 8b, qwen3.5-4b, qwen3.6-35b-a3b, tiny")
     parser.add_argument("--variants", default="image,text", help="comma-separated: image, text")
     parser.add_argument("--modes", default="inprocess,api", help="comma-separated: inprocess, api")
     parser.add_argument("--gpus", type=int, default=1)
@@ -100,21 +130,24 @@ def parse_args() -> argparse.Namespace:
 
 
 def write_model(shape: str, out: Path, device: str) -> Path:
-    """A Qwen3-VL-shaped model directory: the built-in tokenizer and processor files, random weights."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    """A model directory of the shape's family: the built-in tokenizer and processor files, random weights."""
+    import transformers
 
     if (out / "model.safetensors.index.json").exists() or (out / "model.safetensors").exists():
         return out
-    build_tiny_model("qwen3-vl", out)  # tokenizer, chat template, preprocessor config (Qwen3-VL's own)
-    tiny = json.loads((out / "config.json").read_text())
     spec = SHAPES[shape]
+    build_tiny_model(spec.get("family", "qwen3-vl"), out)  # tokenizer, chat template, preprocessor config
+    tiny = json.loads((out / "config.json").read_text())
     text = dict(tiny["text_config"], **spec["text"])
+    if "layer_types" in text:  # the shape gives the repeating pattern
+        text["layer_types"] = text["layer_types"] * (text["num_hidden_layers"] // len(text["layer_types"]))
     vision = dict(tiny["vision_config"], **spec["vision"])
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=spec["tie_word_embeddings"],
-                           **{k: tiny[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                                   "vision_end_token_id")})
+    config_class = transformers.AutoConfig.for_model(tiny["model_type"]).__class__
+    config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=spec["tie_word_embeddings"],
+                          **{k: tiny[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                  "vision_end_token_id")})
     with torch.device(device):
-        model = Qwen3VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
+        model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out)
     del model
     if device == "cuda":
@@ -123,13 +156,30 @@ def write_model(shape: str, out: Path, device: str) -> Path:
 
 
 def flops_per_token(shape: str, sequence_length: int) -> float:
+    """Training FLOPs per token (the docstring above says what is counted), by active parameters."""
     text = SHAPES[shape]["text"]
     hidden, layers = text["hidden_size"], text["num_hidden_layers"]
+    pattern = text.get("layer_types", ["full_attention"])
+    linear_layers = layers * pattern.count("linear_attention") // len(pattern)
+    full_layers = layers - linear_layers
     attention = text["num_attention_heads"] * text["head_dim"]
     kv = text["num_key_value_heads"] * text["head_dim"]
-    per_layer = hidden * (attention + 2 * kv) + attention * hidden + 3 * hidden * text["intermediate_size"]
-    matmul_params = layers * per_layer + hidden * text["vocab_size"]  # + the unembedding
-    return 4 * matmul_params + 6 * layers * attention * sequence_length
+    gated = "layer_types" in text  # Qwen3.5's q_proj also gives the attention output's gate
+    full_attention = hidden * ((2 if gated else 1) * attention + 2 * kv) + attention * hidden
+    if "num_experts" in text:
+        mlp = 3 * hidden * (text["num_experts_per_tok"] * text["moe_intermediate_size"]
+                            + text["shared_expert_intermediate_size"]) + hidden * (text["num_experts"] + 1)
+    else:
+        mlp = 3 * hidden * text["intermediate_size"]
+    matmul_params = full_layers * full_attention + layers * mlp + hidden * text["vocab_size"]  # + the unembedding
+    flops = 4 * matmul_params + 6 * full_layers * attention * sequence_length
+    if linear_layers:
+        keys = text["linear_num_key_heads"] * text["linear_key_head_dim"]
+        heads, values = text["linear_num_value_heads"], text["linear_num_value_heads"] * text["linear_value_head_dim"]
+        projections = hidden * (2 * keys + 2 * values + 2 * heads) + values * hidden
+        recurrence = 2 * 6 * text["linear_key_head_dim"] * text["linear_value_head_dim"] * heads
+        flops += linear_layers * (4 * projections + recurrence)
+    return flops
 
 
 def vision_flops_per_image(shape: str, image_size: int) -> float:
