@@ -332,7 +332,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, default=1,
                         help="training processes on this node, one per GPU (with --device cpu: CPU processes)")
     parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="recompute each decoder block in backward (less memory, about a third more compute)")
+                        help="recompute each decoder block in backward (less memory, about a third more compute; "
+                             "always on for Qwen3.5 / Qwen3.6)")
     parser.add_argument("--microbatch-tokens", type=int, default=TrainerConfig.max_tokens_per_microbatch,
                         help="padded tokens per forward/backward pass on each training rank")
     parser.add_argument("--max-tokens-per-pass", type=int, default=TrainerConfig.max_tokens_per_pass,
