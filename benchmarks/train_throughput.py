@@ -97,7 +97,7 @@ SHAPES = {
                              deepstack_visual_indexes=[0], num_position_embeddings=64),
                  tie_word_embeddings=True),
 }
-BASE_NAME = "bench/Qwen3-VL-{shape}"
+BASE_NAME = "bench/{shape}"
 ADAM = AdamParams(learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8)
 
 
@@ -109,6 +109,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--write-device", default=None,
+                        help="where the random weights are made (default --device; cpu for a model one GPU cannot hold)")
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--sequence-length", type=int, default=2048)
     parser.add_argument("--image-size", type=int, default=448)
@@ -390,7 +392,8 @@ def main() -> None:
     for shape in args.shapes.split(","):
         # Written in a process of its own too: a model built on the GPU here would stay there (9.7 GiB
         # for 4B) while the modes measure.
-        model_dir = in_own_process(write_model, shape, args.work_dir / f"model-{shape}", args.device)
+        model_dir = in_own_process(write_model, shape, args.work_dir / f"model-{shape}",
+                                   args.write_device or args.device)
         variants = args.variants.split(",")
         measured = {mode: in_own_process(measure_mode, args, mode, shape, model_dir, variants)
                     for mode in args.modes.split(",")}
