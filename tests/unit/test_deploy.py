@@ -143,3 +143,34 @@ def test_the_compose_file_is_valid_and_checks_healthz():
     jsonschema.validators.validator_for(schema)(schema).validate(document)
     for name in ("server", "server-gpu"):
         assert "/api/v1/healthz" in " ".join(document["services"][name]["healthcheck"]["test"])
+
+
+def test_the_build_context_leaves_out_what_the_readme_steps_create_and_keeps_what_the_image_copies():
+    ignored = {line.strip() for line in (DEPLOY.parent / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    # The tutorial's environment (.venv, about 2 GB with torch), its data directory and its recipe runs.
+    assert {".venv*", "data", "runs", ".git"} <= ignored
+    copied = [line.split()[1] for line in (DEPLOY / "Dockerfile").read_text().splitlines()
+              if line.startswith("COPY ")]
+    assert copied and not any(path.split("/")[0] in ignored for path in copied)
+
+
+def test_no_compose_profile_starts_two_services_on_one_host_port():
+    services = compose()["services"]
+    for profile in (None, "cpu", "gpu"):
+        started = [service for service in services.values()
+                   if not service.get("profiles") or profile in service["profiles"]]
+        ports = [port.split(":")[0] for service in started for port in service.get("ports", [])]
+        assert len(ports) == len(set(ports)), (profile, ports)
+    assert any("cpu" in service.get("profiles", []) for service in services.values())
+
+
+def test_the_model_loader_is_valid_and_writes_the_volume_the_pods_read():
+    loader = yaml.safe_load((KUBERNETES / "tools" / "model-loader.yaml").read_text())
+    kubernetes_validate.validate(loader, KUBERNETES_VERSION, strict=True)
+    (volume,) = loader["spec"]["volumes"]
+    assert volume["persistentVolumeClaim"] == {"claimName": "tinker-models"}  # mounted writable
+    (claim,) = [doc for doc in by_kind("PersistentVolumeClaim").values() if doc["metadata"]["name"] == "tinker-models"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    mount = loader["spec"]["containers"][0]["volumeMounts"][0]
+    assert mount["mountPath"] == "/models" and not mount.get("readOnly")
