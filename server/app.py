@@ -175,6 +175,8 @@ class HotRoutes:
         self.routes = {"/api/v1/asample": sampling.asample, "/api/v1/retrieve_future": futures.retrieve_future}
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, self._lifespan_send(send))
         endpoint = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if endpoint is None:
             return await self.app(scope, receive, send)
@@ -188,6 +190,17 @@ class HotRoutes:
             response = await self.refuse(request, error)
         await response(scope, receive, send)
         self.metrics.http_requests.labels(scope["path"], "POST", str(response.status_code)).inc()
+
+
+    def _lifespan_send(self, send):
+        """A start-up refused for what the operator gave fails with its reason, not the traceback (--debug)."""
+        async def refused_in_one_line(message):
+            reason = getattr(self.state, "start_refused", None)
+            if message["type"] == "lifespan.startup.failed" and reason:
+                message = {**message, "message": f"{reason} (--debug prints the traceback)"}
+            await send(message)
+
+        return refused_in_one_line
 
 
 def refusal_of(error: Exception, path: str) -> TinkerServerError:
@@ -213,8 +226,10 @@ def create_app(config: ServerConfig) -> HotRoutes:
     async def lifespan(app: FastAPI):
         try:
             services = await asyncio.to_thread(build_services, config, metrics)
-        except AlreadyServed as error:
+        except (AlreadyServed, ValueError) as error:  # what the operator gave: a model, a directory, a device
             logger.error("event=start_refused reason=%r", str(error))
+            if not config.debug:
+                app.state.start_refused = str(error)
             raise
         app.state.services = services
         gap_check_seconds = max(0.2, min(5.0, config.limits.seq_gap_timeout_seconds / 4))

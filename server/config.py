@@ -248,6 +248,9 @@ class ServerConfig:
     """keys (every route but healthz needs an issued API key) or none (one tenant, loopback only)."""
     shutdown_timeout_seconds: float = 30.0
     """On SIGTERM, running requests get this long to finish; then they are failed and the server exits."""
+    debug: bool = False
+    """A start-up refused for what the operator gave (a model, a directory, a device) prints its traceback
+    too, not only its one-line reason."""
 
     def __post_init__(self):
         if self.auth not in ("keys", "none"):
@@ -329,6 +332,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="seconds a run waits for a missing seq_id before failing the requests queued behind it")
     parser.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_seconds,
                         help="seconds running requests get to finish on SIGTERM before they are failed")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of a refused start-up too, not only its one-line reason")
     parser.add_argument("--gpus", type=int, default=1,
                         help="training processes on this node, one per GPU (with --device cpu: CPU processes)")
     parser.add_argument("--activation-checkpointing", action="store_true",
@@ -405,7 +410,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                             max_runs_per_tenant=args.max_runs_per_tenant,
                             max_stored_bytes_per_tenant=int(args.max_stored_gb_per_tenant * (1 << 30)),
                             seq_gap_timeout_seconds=args.seq_gap_timeout),
-        auth=args.auth, shutdown_timeout_seconds=args.shutdown_timeout,
+        auth=args.auth, shutdown_timeout_seconds=args.shutdown_timeout, debug=args.debug,
         trainer=TrainerConfig(local_ranks=args.gpus, activation_checkpointing=args.activation_checkpointing,
                               max_tokens_per_microbatch=args.microbatch_tokens, compile=args.compile,
                               max_tokens_per_pass=args.max_tokens_per_pass,

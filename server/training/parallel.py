@@ -68,6 +68,9 @@ def free_port() -> int:
 def init_training_group(rank: int, world_size: int, device_type: str, master_addr: str,
                         master_port: int) -> TrainingGroup:
     """Join (or, on rank 0, open) the training process group: NCCL on GPUs, gloo on CPUs."""
+    if device_type == "cuda" and torch.cuda.device_count() == 0:
+        raise ValueError("--device cuda, but this machine has no CUDA GPU that torch can use "
+                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use --device cpu")
     device = torch.device(device_type, rank % torch.cuda.device_count()) if device_type == "cuda" \
         else torch.device(device_type)
     if device.type == "cuda":

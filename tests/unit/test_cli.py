@@ -36,6 +36,7 @@ CLI_OPTIONS = {
     "--max-stored-gb-per-tenant",
     "--seq-gap-timeout",
     "--shutdown-timeout",
+    "--debug",
     "--gpus",
     "--activation-checkpointing",
     "--microbatch-tokens",

@@ -4,13 +4,19 @@ import asyncio
 import io
 import logging
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+import pytest
+import torch
 
 from server import progress
 from server.__main__ import bind
 from server.banner import ready_line, server_url, start_banner
 from server.config import parse_config
+from server.training.parallel import init_training_group
 
 
 def test_the_banner_names_address_model_engines_data_and_the_first_key(tmp_path):
@@ -97,3 +103,22 @@ def test_a_models_loading_is_reported(monkeypatch, caplog, models_dir: Path):
     caplog.set_level(logging.INFO, logger="server.models.loading")
     load_base_model(ModelConfig(base_model="builtin:tiny-qwen3", model_path=None, model_cache_dir=models_dir))
     assert [r.getMessage() for r in caplog.records][0].startswith("event=model_load_started base_model=builtin:tiny")
+
+
+def test_a_start_up_refused_for_what_the_operator_gave_is_one_line_unless_debug(tmp_path):
+    command = [sys.executable, "-m", "server", "--base-model", "acme/not-a-model", "--data-dir", str(tmp_path),
+               "--port", "0"]
+    quiet = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    reason = "'acme/not-a-model' is neither builtin:... nor in the local hub cache; pass --model-path DIR"
+    assert quiet.returncode != 0
+    assert f"ERROR:    {reason} (--debug prints the traceback)" in quiet.stderr
+    assert "Traceback" not in quiet.stderr and "Traceback" not in quiet.stdout
+    loud = subprocess.run([*command, "--debug"], capture_output=True, text=True, timeout=300)
+    assert loud.returncode != 0 and "Traceback" in loud.stderr and reason in loud.stderr
+
+
+def test_a_cuda_device_without_a_gpu_is_refused_with_what_to_use_instead():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")  # the refusal is for machines without one
+    with pytest.raises(ValueError, match="no CUDA GPU.*use --device cpu"):
+        init_training_group(0, 1, "cuda", "127.0.0.1", 0)
