@@ -439,6 +439,8 @@ class KeysCommand:
     admin: bool = False
     label: str | None = None
     key_id: str | None = None
+    new_database: bool = False
+    """Create the server's database where there is none yet (else such a --data-dir is refused as a typo)."""
 
 
 def build_keys_arg_parser() -> argparse.ArgumentParser:
@@ -451,6 +453,9 @@ def build_keys_arg_parser() -> argparse.ArgumentParser:
     create.add_argument("--tenant", required=True, help="who the key's requests belong to (required)")
     create.add_argument("--admin", action="store_true", help="may also read server-wide data (/metrics)")
     create.add_argument("--label", default=None, help="a note shown by `keys list` (default: none)")
+    create.add_argument("--new-database", action="store_true",
+                        help="create the server's database if the data directory has none yet (before a "
+                             "server's first start); without it a directory with no database is refused")
     listing = actions.add_parser("list", help="every key: id, tenant, created, revoked",
                                  formatter_class=HelpWithDefaults)
     listing.add_argument("--tenant", default=None, help="only this tenant's keys (default: every tenant's)")
@@ -467,7 +472,8 @@ def parse_keys_command(argv: list[str]) -> KeysCommand:
     data_dir = args.data_dir.resolve()
     return KeysCommand(action=args.action, database_url=_database_url(args, data_dir), data_dir=data_dir,
                        tenant=args.tenant if args.action != "revoke" else None, admin=getattr(args, "admin", False),
-                       label=getattr(args, "label", None), key_id=getattr(args, "key_id", None))
+                       label=getattr(args, "label", None), key_id=getattr(args, "key_id", None),
+                       new_database=getattr(args, "new_database", False))
 
 
 def _vllm_config(args: argparse.Namespace) -> VLLMConfig:

@@ -7,12 +7,19 @@ a revoked key is refused from the server's next request on.
 import sys
 
 from server.config import KeysCommand
+from server.store.db import has_server_database
 from server.store.api_keys import issue_api_key
 from server.store.store import Store
 
 
 def run_keys_command(command: KeysCommand) -> int:
     """Carry out one keys command; returns the exit status."""
+    if not command.new_database and not has_server_database(command.database_url):
+        # A mistyped --data-dir would otherwise get a database of its own, and a key no server knows.
+        where = command.data_dir if command.database_url.startswith("sqlite:") else "the --database-url"
+        print(f"no server database in {where}: check --data-dir / --database-url (a server creates its "
+              f"database on its first start; `keys create --new-database` creates it before)", file=sys.stderr)
+        return 2
     if command.database_url.startswith("sqlite:"):
         command.data_dir.mkdir(parents=True, exist_ok=True)
     store = Store(command.database_url)

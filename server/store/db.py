@@ -55,6 +55,18 @@ def upgrade_to_head(engine: sa.Engine) -> None:
         command.upgrade(config, "head")
 
 
+def has_server_database(database_url: str) -> bool:
+    """Whether the URL holds a database a server made (its migrations ran there); creates nothing."""
+    url = sa.make_url(database_url)
+    if url.get_backend_name() == "sqlite" and not (url.database and Path(url.database).is_file()):
+        return False  # connecting would create the file
+    engine = build_engine(database_url)
+    try:
+        return sa.inspect(engine).has_table("alembic_version")
+    finally:
+        engine.dispose()
+
+
 def is_disk_full(error: BaseException) -> bool:
     """Whether a filesystem or database error means "no space left" (SQLite, PostgreSQL, or the OS)."""
     while error is not None:

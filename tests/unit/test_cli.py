@@ -11,6 +11,7 @@ import pytest
 
 from server.config import (DEFAULT_VLLM_PYTHON, REPO_ROOT, ModelConfig, build_arg_parser, build_keys_arg_parser,
                            parse_config, parse_keys_command)
+from server.keys import run_keys_command
 from server.sampling.vllm_process import ServedModel, vllm_command
 
 CLI_OPTIONS = {
@@ -57,7 +58,7 @@ CLI_OPTIONS = {
     "--vllm-args",
 }
 KEYS_CLI_OPTIONS = {
-    "create": {"-h", "--help", "--tenant", "--admin", "--label", "--data-dir", "--database-url"},
+    "create": {"-h", "--help", "--tenant", "--admin", "--label", "--new-database", "--data-dir", "--database-url"},
     "list": {"-h", "--help", "--tenant", "--data-dir", "--database-url"},
     "revoke": {"-h", "--help", "--data-dir", "--database-url"},
 }
@@ -230,3 +231,18 @@ def test_help_shows_the_values_of_the_defaults(capsys):
     for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: ./data,", "(default: embedded)",
                   "(default: keys)", "(default: off)", "(default: 8192)"):
         assert shown in text
+
+
+def test_keys_commands_refuse_a_data_dir_without_a_server_database_unless_asked_to_create_it(tmp_path, monkeypatch,
+                                                                                               capsys):
+    monkeypatch.delenv(DATABASE_URL_ENV, raising=False)
+    typo = tmp_path / "dta"
+    for argv in (["create", "--tenant", "alice"], ["list"], ["revoke", "key-1234"]):
+        assert run_keys_command(parse_keys_command([*argv, "--data-dir", str(typo)])) == 2
+        assert "no server database in" in capsys.readouterr().err
+    assert not typo.exists()  # nothing was created
+    created = parse_keys_command(["create", "--tenant", "alice", "--new-database", "--data-dir", str(typo)])
+    assert run_keys_command(created) == 0 and capsys.readouterr().out.startswith("tml-")
+    # A database a server (or --new-database) made is found without the flag.
+    assert run_keys_command(parse_keys_command(["list", "--data-dir", str(typo)])) == 0
+    assert "alice" in capsys.readouterr().out
