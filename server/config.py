@@ -186,6 +186,8 @@ class LimitsConfig:
     """Largest (decompressed) request body."""
     max_sample_tokens: int = 8192
     """Largest max_tokens a sampling request may ask for."""
+    max_num_samples: int = 256
+    """Largest num_samples of one sampling request."""
     session_timeout_seconds: float = 600.0
     """A session without a heartbeat for this long is finished and its runs leave memory (the SDK
     heartbeats every 10 s; a client that exits without closing its ServiceClient stops)."""
@@ -202,7 +204,8 @@ class LimitsConfig:
     behind the gap (the SDK sends a call's chunks at once; a missing one was refused unreadable or lost)."""
 
     def __post_init__(self):
-        for name in ("session_timeout_seconds", "seq_gap_timeout_seconds", "max_lora_rank",
+        for name in ("session_timeout_seconds", "seq_gap_timeout_seconds", "max_lora_rank", "max_sample_tokens",
+                     "max_num_samples",
                      "max_sampled_tokens_per_request", "max_runs_per_tenant", "max_stored_bytes_per_tenant"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -320,6 +323,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="seconds between looks for checkpoints past their TTL, which are then deleted")
     parser.add_argument("--max-lora-rank", type=int, default=LimitsConfig.max_lora_rank,
                         help="largest LoRA rank a training run may ask for")
+    parser.add_argument("--max-sample-tokens", type=int, default=LimitsConfig.max_sample_tokens,
+                        help="largest max_tokens of one sampling request")
+    parser.add_argument("--max-num-samples", type=int, default=LimitsConfig.max_num_samples,
+                        help="largest num_samples of one sampling request")
     parser.add_argument("--max-sampled-tokens-per-request", type=int,
                         default=LimitsConfig.max_sampled_tokens_per_request,
                         help="num_samples x max_tokens of one sampling request")
@@ -406,6 +413,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                            decoded_cache_bytes=args.image_cache_mb << 20,
                            feature_cache_bytes=args.feature_cache_mb << 20),
         limits=LimitsConfig(session_timeout_seconds=args.session_timeout, max_lora_rank=args.max_lora_rank,
+                            max_sample_tokens=args.max_sample_tokens, max_num_samples=args.max_num_samples,
                             max_sampled_tokens_per_request=args.max_sampled_tokens_per_request,
                             max_runs_per_tenant=args.max_runs_per_tenant,
                             max_stored_bytes_per_tenant=int(args.max_stored_gb_per_tenant * (1 << 30)),

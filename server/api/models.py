@@ -27,6 +27,7 @@ from server.wire.types import (
     GetServerCapabilitiesResponse,
     ModelData,
     OptimizerConfig,
+    ServerLimits,
     SupportedModel,
     UntypedAPIFuture,
 )
@@ -71,8 +72,14 @@ async def get_info(body: GetInfoRequest, services: ServicesDep, owner: OwnerDep)
 
 @router.get("/get_server_capabilities")
 async def get_server_capabilities(services: ServicesDep) -> GetServerCapabilitiesResponse:
-    """The served base model."""
-    return GetServerCapabilitiesResponse(supported_models=[SupportedModel(
-        model_name=services.base.name, max_context_length=services.config.limits.max_sequence_length,
-        trainable=True, sampleable=True)])
+    """The served base model, and the limits of what one request may ask for."""
+    limits = services.config.limits
+    return GetServerCapabilitiesResponse(
+        supported_models=[SupportedModel(model_name=services.base.name, max_context_length=limits.max_sequence_length,
+                                         trainable=True, sampleable=True)],
+        limits=ServerLimits(max_sequence_length=limits.max_sequence_length, max_sample_tokens=limits.max_sample_tokens,
+                            max_num_samples=limits.max_num_samples,
+                            max_sampled_tokens_per_request=limits.max_sampled_tokens_per_request,
+                            max_images_per_prompt=services.config.sampler.max_images_per_prompt,
+                            max_lora_rank=limits.max_lora_rank, max_request_bytes=limits.max_request_bytes))
 

@@ -46,8 +46,6 @@ router = APIRouter(prefix="/api/v1")
 # asample authenticates itself (see tenant_of): it is half of every sample request's HTTP calls.
 hot_router = APIRouter(prefix="/api/v1")
 
-MAX_NUM_SAMPLES = 256
-
 
 @router.post("/create_sampling_session")
 async def create_sampling_session(body: CreateSamplingSessionRequest, services: ServicesDep,
@@ -110,7 +108,8 @@ def sampling_options(services: Services, request: SampleRequest, prompt: Rendere
     prompt_length = prompt.num_positions
     max_tokens = params.max_tokens or services.config.sampler.max_new_tokens_default
     if max_tokens > limits.max_sample_tokens:
-        raise InvalidRequest(f"max_tokens {max_tokens} is over the limit of {limits.max_sample_tokens}")
+        raise InvalidRequest(f"max_tokens {max_tokens} is over the limit of {limits.max_sample_tokens} (the server's "
+                             f"--max-sample-tokens)")
     if prompt_length + max_tokens > limits.max_sequence_length:
         raise PayloadTooLarge(f"prompt ({prompt_length} tokens) + max_tokens ({max_tokens}) is over the "
                               f"context limit of {limits.max_sequence_length}")
@@ -155,8 +154,10 @@ async def asample(request: Request) -> UntypedAPIFuture:
         record = sampler_of(services, sample.sampling_session_id, owner)
     else:
         check_base_model(services, sample.base_model)
-    if sample.num_samples > MAX_NUM_SAMPLES:
-        raise InvalidRequest(f"num_samples {sample.num_samples} is over the limit of {MAX_NUM_SAMPLES}")
+    limit = services.config.limits.max_num_samples
+    if sample.num_samples > limit:
+        raise InvalidRequest(f"num_samples {sample.num_samples} is over the limit of {limit} (the server's "
+                             f"--max-num-samples)")
     if sample.record_stability_info and record is None:
         raise InvalidRequest("record_stability_info needs a sampling session: recorded sequences belong to its session")
     if all(chunk.type == "encoded_text" for chunk in sample.prompt.chunks):

@@ -707,8 +707,22 @@ class SupportedModel(WireResponse):
     sampleable: bool | None = None
 
 
+class ServerLimits(WireResponse):
+    """What one request may ask for (the server's flags of the same names); the SDK ignores it, other
+    clients read it to stay within."""
+
+    max_sequence_length: int
+    max_sample_tokens: int
+    max_num_samples: int
+    max_sampled_tokens_per_request: int
+    max_images_per_prompt: int
+    max_lora_rank: int
+    max_request_bytes: int
+
+
 class GetServerCapabilitiesResponse(WireResponse):
     supported_models: list[SupportedModel]
+    limits: ServerLimits | None = None
 
 
 class Checkpoint(WireResponse):

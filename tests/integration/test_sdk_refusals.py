@@ -161,3 +161,20 @@ def test_raw_protobuf_refusals_take_their_seq_id_and_the_run_goes_on(server, ser
                 pass
             assert poll.status_code == 200 and poll.headers["content-type"] == "application/x-protobuf", what
         assert http.get("/api/v1/healthz").status_code == 200
+
+
+def test_sampling_limits_are_reported_and_a_request_over_one_is_refused_naming_its_flag(server, client_and_data):
+    tc, data = client_and_data
+    with httpx.Client(base_url=server.url, headers=server.headers(), timeout=NEXT_CALL_SECONDS) as http:
+        limits = http.get("/api/v1/get_server_capabilities").json()["limits"]
+    assert (limits["max_num_samples"], limits["max_sample_tokens"]) == (256, 8192)  # the flags' defaults
+    assert limits["max_sequence_length"] == 32768 and limits["max_images_per_prompt"] > 0
+    sampler = tc.save_weights_and_get_sampling_client().result(timeout=NEXT_CALL_SECONDS)
+    prompt = types.ModelInput.from_ints(data[0].model_input.to_ints()[:4])
+    for num_samples, max_tokens, flag in [(limits["max_num_samples"] + 1, 2, "--max-num-samples"),
+                                          (1, limits["max_sample_tokens"] + 1, "--max-sample-tokens")]:
+        with pytest.raises(tinker.BadRequestError, match=flag):
+            sampler.sample(prompt, num_samples=num_samples,
+                           sampling_params=types.SamplingParams(max_tokens=max_tokens)).result(timeout=NEXT_CALL_SECONDS)
+    assert sampler.sample(prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=2)).result(
+        timeout=NEXT_CALL_SECONDS).sequences

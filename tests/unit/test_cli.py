@@ -32,6 +32,8 @@ CLI_OPTIONS = {
     "--checkpoint-sweep-interval",
     "--auth",
     "--max-lora-rank",
+    "--max-sample-tokens",
+    "--max-num-samples",
     "--max-sampled-tokens-per-request",
     "--max-runs-per-tenant",
     "--max-stored-gb-per-tenant",
