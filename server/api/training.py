@@ -24,6 +24,8 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
     body = await read_body(request, limits.max_request_bytes)
     try:
         fwdbwd = decode_forward_backward_request(body, request.headers.get("content-encoding"))
+    except InvalidRequest:
+        raise  # says what is wrong, with its own status (413 for a body that inflates past the limit)
     except ValueError as error:
         raise InvalidRequest(f"malformed forward_backward request: {error}") from None
     run = run_of(services.store, fwdbwd.model_id, owner)
