@@ -1,12 +1,15 @@
-"""Operations: liveness (the one route that needs no key), Prometheus metrics (admin keys) and the API docs."""
+"""Operations: liveness and the docs page (the routes that need no key), Prometheus metrics (admin keys) and
+the API's schema."""
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.api.deps import ServicesDep, require_admin
 from server.wire.types import HealthResponse
+
+_SWAGGER_JS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"
+_SWAGGER_CSS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"
 
 public_router = APIRouter()
 router = APIRouter()
@@ -29,6 +32,36 @@ async def openapi(request: Request) -> JSONResponse:
     return JSONResponse(request.app.openapi())
 
 
-@router.get("/docs", include_in_schema=False)
+# The docs page itself holds nothing: it asks for the API key once per browser tab and sends it (as
+# X-API-Key) with every request it makes, the schema's included, which stays behind the key.
+_DOCS_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>{title}</title>
+<link rel="stylesheet" href="{css}"></head>
+<body><div id="swagger-ui"></div>
+<script src="{js}"></script>
+<script>
+function apiKey(ask) {{
+  let key = sessionStorage.getItem("tinker-api-key");
+  if (ask || !key) {{
+    key = prompt("API key of this server (X-API-Key; the server's banner shows the first one):", key || "");
+    if (key) sessionStorage.setItem("tinker-api-key", key);
+  }}
+  return key || "";
+}}
+apiKey(false);
+SwaggerUIBundle({{
+  url: "/openapi.json", dom_id: "#swagger-ui",
+  requestInterceptor: (request) => {{ request.headers["X-API-Key"] = apiKey(false); return request; }},
+  responseInterceptor: (response) => {{
+    if (response.status === 401 && response.url.endsWith("/openapi.json")) {{ apiKey(true); location.reload(); }}
+    return response;
+  }},
+}});
+</script></body></html>
+"""
+
+
+@public_router.get("/docs", include_in_schema=False)
 async def docs(request: Request) -> HTMLResponse:
-    return get_swagger_ui_html(openapi_url="/openapi.json", title=request.app.title)
+    """The API's interactive docs (Swagger UI): a page that asks for the key and sends it with every call."""
+    return HTMLResponse(_DOCS_PAGE.format(title=request.app.title, css=_SWAGGER_CSS, js=_SWAGGER_JS))

@@ -1,5 +1,5 @@
-"""API keys and tenants: every route but healthz needs a key an operator issued; a tenant sees only its
-own sessions, runs, checkpoints, samplers and futures (another tenant's are not found, 404)."""
+"""API keys and tenants: every route but healthz and the docs page needs a key an operator issued; a tenant
+sees only its own sessions, runs, checkpoints, samplers and futures (another tenant's are not found, 404)."""
 
 import re
 import subprocess
@@ -101,14 +101,13 @@ def every_route(owned: dict, own_session: str) -> list[tuple[str, str, dict]]:
         ("GET", f"/api/v1/dashboard/runs/{a['model']}/curves", {}),
         ("GET", "/metrics", {}),
         ("GET", "/openapi.json", {}),
-        ("GET", "/docs", {}),
     ]
 
 
 # Routes that name no resource of anyone's answer a second tenant normally (listings show its own only).
 NAMES_NO_RESOURCE = {"/api/v1/client/config", "/api/v1/telemetry", "/api/v1/get_server_capabilities",
                      "/api/v1/create_session", "/api/v1/sessions", "/api/v1/training_runs", "/api/v1/checkpoints",
-                     "/api/v1/sessions/search", "/api/v1/dashboard/overview", "/openapi.json", "/docs"}
+                     "/api/v1/sessions/search", "/api/v1/dashboard/overview", "/openapi.json"}
 # Signed download URLs take no key: the signature is the permission (a forged one is a 403).
 SIGNED = "/api/v1/external_weights/"
 
@@ -127,7 +126,7 @@ def _matches(template: str, path: str) -> bool:
     return re.fullmatch(pattern, path) is not None
 
 
-def test_without_a_valid_key_every_route_but_healthz_is_a_401(server, owned):
+def test_without_a_valid_key_every_route_but_healthz_and_the_docs_page_is_a_401(server, owned):
     with httpx.Client(base_url=server.url, timeout=30) as http:
         for key in (None, "tml-made-up", "x", "a" * 8192):
             headers = {} if key is None else {"X-API-Key": key}
@@ -137,6 +136,10 @@ def test_without_a_valid_key_every_route_but_healthz_is_a_401(server, owned):
                 assert response.status_code == (403 if path.startswith(SIGNED) else 401), \
                     (key and key[:12], method, path, response.text)
             assert http.get("/api/v1/healthz", headers=headers).status_code == 200
+            # The docs page holds nothing: it asks the browser for the key and sends it with each call.
+            page = http.get("/docs", headers=headers)
+            assert page.status_code == 200 and 'request.headers["X-API-Key"]' in page.text
+            assert 'url: "/openapi.json"' in page.text
 
 
 def test_a_second_tenant_finds_none_of_the_first_ones_resources(server, owned):
