@@ -5,6 +5,9 @@ to by the middleware in app.py, the scheduler and the routes; `GET /metrics` ren
 nothing about what the requests do.
 """
 
+import threading
+from dataclasses import dataclass
+
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -34,6 +37,9 @@ class ServerMetrics:
                                  registry=self.registry)
         self.registry.register(_GpuMemory())
         self._queue_depths: dict[str, int] = {}
+        self._sampling: dict[str, SamplingTally] = {}
+        """Per tenant (one entry per tenant that sampled: bounded by the keys issued)."""
+        self._sampling_lock = threading.Lock()  # responses are also made on worker threads
 
     def observe_request(self, request_type: str, outcome: str, seconds: float) -> None:
         self.request_seconds.labels(request_type, outcome).observe(seconds)
@@ -60,8 +66,40 @@ class ServerMetrics:
     def count_tokens(self, kind: str, count: int) -> None:
         self.tokens.labels(kind).inc(count)
 
+    def count_sample(self, owner: str, sampled: int, prompt_cached: int, prompt_computed: int) -> None:
+        """One sampling request answered: the server's token counters, and the tenant's tally."""
+        self.count_tokens("sampled", sampled)
+        self.count_tokens("prompt_cached", prompt_cached)
+        self.count_tokens("prompt_computed", prompt_computed)
+        with self._sampling_lock:
+            tally = self._sampling.setdefault(owner, SamplingTally())
+            tally.requests += 1
+            tally.sampled_tokens += sampled
+            tally.prompt_cached_tokens += prompt_cached
+            tally.prompt_computed_tokens += prompt_computed
+
+    def sampling_of(self, owner: str) -> "SamplingTally":
+        """The tenant's sampling since the server started (the dashboard shows it to that tenant)."""
+        return self._sampling.get(owner, SamplingTally())
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass
+class SamplingTally:
+    requests: int = 0
+    sampled_tokens: int = 0
+    prompt_cached_tokens: int = 0
+    prompt_computed_tokens: int = 0
+
+
+def gpu_memory() -> list[tuple[int, int, int, int]]:
+    """(device, allocated, reserved, total) bytes of each GPU this process sees; none without CUDA."""
+    if not torch.cuda.is_available():
+        return []
+    return [(index, torch.cuda.memory_allocated(index), torch.cuda.memory_reserved(index),
+             torch.cuda.get_device_properties(index).total_memory) for index in range(torch.cuda.device_count())]
 
 
 class _GpuMemory:
@@ -72,9 +110,8 @@ class _GpuMemory:
                                       labels=["device"])
         reserved = GaugeMetricFamily("tinker_gpu_memory_reserved_bytes", "Memory reserved by the caching "
                                      "allocator, per GPU", labels=["device"])
-        if torch.cuda.is_available():
-            for index in range(torch.cuda.device_count()):
-                allocated.add_metric([str(index)], torch.cuda.memory_allocated(index))
-                reserved.add_metric([str(index)], torch.cuda.memory_reserved(index))
+        for index, in_tensors, in_allocator, _ in gpu_memory():
+            allocated.add_metric([str(index)], in_tensors)
+            reserved.add_metric([str(index)], in_allocator)
         yield allocated
         yield reserved

@@ -15,8 +15,9 @@ from fastapi.responses import FileResponse
 
 from server.api.deps import OwnerDep, Services, ServicesDep, run_of
 from server.store.store import utcnow
-from server.wire.dashboard import (DashboardCheckpoint, DashboardCurve, DashboardCurves, DashboardOverview,
-                                   DashboardRun, DashboardSession)
+from server.metrics import gpu_memory
+from server.wire.dashboard import (DashboardCheckpoint, DashboardCurve, DashboardCurves, DashboardGpu,
+                                   DashboardOverview, DashboardRun, DashboardSampling, DashboardSession)
 
 STATIC = Path(__file__).parent / "static"
 MAX_RUNS, MAX_CHECKPOINTS, MAX_SESSIONS = 500, 1000, 200
@@ -69,12 +70,18 @@ def _overview(services: Services, owner: str) -> DashboardOverview:
     sessions = store.list_sessions(owner=owner, limit=MAX_SESSIONS, offset=0)
     steps = store.run_metrics.num_steps([run.model_id for run in runs])
     depths = {run.model_id: services.metrics.queue_depth_of(run.model_id) for run in runs}
+    tally = services.metrics.sampling_of(owner)
     runs_per_session: dict[str, int] = {}
     for run in runs:
         runs_per_session[run.session_id] = runs_per_session.get(run.session_id, 0) + 1
     return DashboardOverview(
         tenant=owner, base_model=services.base.name, sampler=services.config.sampler.engine, now=now,
         queue_depth=sum(depths.values()), stored_bytes=store.stored_checkpoint_bytes(owner),
+        sampling=DashboardSampling(requests=tally.requests, in_flight=services.sampling.pending_of(owner),
+                                   sampled_tokens=tally.sampled_tokens, prompt_cached_tokens=tally.prompt_cached_tokens,
+                                   prompt_computed_tokens=tally.prompt_computed_tokens),
+        gpus=[DashboardGpu(device=device, allocated_bytes=allocated, reserved_bytes=reserved, total_bytes=total)
+              for device, allocated, reserved, total in gpu_memory()],
         runs=[DashboardRun(model_id=run.model_id, session_id=run.session_id, base_model=run.base_model,
                            lora_rank=run.lora_rank, created_at=run.created_at, last_request_time=run.last_request_time,
                            loaded=run.model_id in services.trainer.models, queue_depth=depths[run.model_id],

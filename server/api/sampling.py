@@ -202,9 +202,8 @@ async def asample(request: Request) -> UntypedAPIFuture:
             values[asked] = output.target_prompt_logprobs
             target_logprobs = (values, sample.target_prompt_logprobs)
         alt = output.prompt_alt_tokens
-        services.metrics.count_tokens("sampled", sum(len(s.tokens) for s in sequences))
-        services.metrics.count_tokens("prompt_cached", output.prompt_cache_hit_tokens)
-        services.metrics.count_tokens("prompt_computed", prompt.num_positions - output.prompt_cache_hit_tokens)
+        services.metrics.count_sample(owner, sum(len(s.tokens) for s in sequences), output.prompt_cache_hit_tokens,
+                                      prompt.num_positions - output.prompt_cache_hit_tokens)
         return encode_sample_response(sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk,
                                       target_prompt_logprobs=target_logprobs,
                                       prompt_alt_tokens=alt and (alt.tokens, alt.logprobs),

@@ -73,6 +73,7 @@ class SamplingFutures:
         """Request id -> when it finished, of the outcomes not retrieved yet, oldest first."""
         self._kept_bytes = 0
         self._num_pending = 0
+        self._pending_by_owner: dict[str, int] = {}
         self._closing = False
         self._responding: set[asyncio.Task] = set()
         """Responses being made on worker threads (kept referenced until done)."""
@@ -116,6 +117,7 @@ class SamplingFutures:
         if key is not None:
             self._by_key[key] = request_id
         self._num_pending += 1
+        self._pending_by_owner[owner] = self._pending_by_owner.get(owner, 0) + 1
         future.engine_future.add_done_callback(lambda done: self._loop.call_soon_threadsafe(
             self._engine_done, request_id, done, respond, respond_in_thread))
         return request_id
@@ -182,7 +184,7 @@ class SamplingFutures:
         if future.release is not None:
             future.release()
         future.outcome = outcome
-        self._num_pending -= 1
+        self._done_pending(future.owner)
         self._kept_bytes += len(outcome.result or b"")
         now = time.monotonic()
         self._unretrieved[request_id] = now
@@ -194,12 +196,22 @@ class SamplingFutures:
                 break
             self._forget(oldest, self._futures.pop(oldest))
 
+    def pending_of(self, owner: str) -> int:
+        """The tenant's sampling requests in the engine now."""
+        return self._pending_by_owner.get(owner, 0)
+
+    def _done_pending(self, owner: str) -> None:
+        self._num_pending -= 1
+        left = self._pending_by_owner.pop(owner) - 1
+        if left:
+            self._pending_by_owner[owner] = left
+
     def _forget(self, request_id: str, future: _Future) -> None:
         """Let go of a future taken out of `_futures`: its seq_id, and its outcome or its pending count."""
         if future.key is not None:
             self._by_key.pop(future.key, None)
         if future.outcome is None:
-            self._num_pending -= 1
+            self._done_pending(future.owner)
         else:
             self._unretrieved.pop(request_id, None)
             self._kept_bytes -= len(future.outcome.result or b"")

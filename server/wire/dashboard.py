@@ -43,6 +43,23 @@ class DashboardSession(BaseModel):
     num_runs: int
 
 
+class DashboardSampling(BaseModel):
+    """The tenant's sampling since the server started; the page turns two polls into rates."""
+
+    requests: int
+    in_flight: int
+    sampled_tokens: int
+    prompt_cached_tokens: int
+    prompt_computed_tokens: int
+
+
+class DashboardGpu(BaseModel):
+    device: int
+    allocated_bytes: int
+    reserved_bytes: int
+    total_bytes: int
+
+
 class DashboardOverview(BaseModel):
     tenant: str
     base_model: str
@@ -51,6 +68,9 @@ class DashboardOverview(BaseModel):
     queue_depth: int
     """The tenant's requests queued or running, all runs together."""
     stored_bytes: int
+    sampling: DashboardSampling
+    gpus: list[DashboardGpu]
+    """The server process's memory on each GPU (empty on CPU)."""
     runs: list[DashboardRun]
     checkpoints: list[DashboardCheckpoint]
     sessions: list[DashboardSession]

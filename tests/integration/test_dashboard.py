@@ -1,5 +1,6 @@
 """The dashboard in a real headless Chromium (Debian's, driven by Playwright): a tenant enters its key once,
-sees its own runs, checkpoints and sessions, the live queue depth, and the curves of a run it trained."""
+sees its own runs, checkpoints and sessions, the live queue depth, its sampling, and the curves of a run it
+trained; a long session name does not widen the page past a 1280-px window."""
 
 import subprocess
 from pathlib import Path
@@ -16,6 +17,8 @@ from support.sdk import SENTENCES, supervised_datum
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--no-first-run"]
 NUM_STEPS = 3
+NUM_SAMPLES = 3
+LONG_NAME = "/home/someone/experiments/" + "vlm-classifier-caltech101-" * 12 + "run"  # the cookbook's log path
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,11 @@ def trained(first_start_server: LiveServer) -> dict:
         losses.append(training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     checkpoint = training.save_state("dashboard", ttl_seconds=7200).result().path
+    sampler = training.save_weights_and_get_sampling_client().result()
+    for _ in range(NUM_SAMPLES):
+        sampler.sample(data[0].model_input, num_samples=1, sampling_params=types.SamplingParams(max_tokens=2)).result()
     http_b = httpx.Client(base_url=first_start_server.url, headers=first_start_server.headers(key_b), timeout=60)
+    assert http_b.post("/api/v1/create_session", json={"display_name": LONG_NAME}).status_code == 200
     waiting = RawRun(http_b, base_model="builtin:tiny-qwen2-vl")
     assert waiting.forward(waiting.forward_body(seq_id=2)).status_code == 200  # seq_id 1 never comes
     yield {"key_a": key_a, "key_b": key_b, "run_a": training.model_id, "run_b": waiting.model_id,
@@ -82,6 +89,11 @@ def test_a_tenant_sees_the_curves_of_its_run_with_the_losses_it_was_told(browser
     expect(page.locator("#sessions tbody tr")).to_have_count(1)
     expect(page.locator("#tenant")).to_have_text("dash-a")
     assert trained["run_b"] not in page.content()
+    expect(page.locator("#sampling")).to_contain_text(f"{NUM_SAMPLES} requests")
+    expect(page.locator("#sampling")).to_contain_text("0 in flight")
+    # Axis labels stay short whatever the scale (a learning rate of 1e-4 read ".0001000", clipped).
+    assert page.evaluate("() => [number(0.0001), number(2.5e-7), number(123456), number(0.5)]") == \
+        ["1.00e-4", "2.50e-7", "1.23e+5", "0.5"]
 
     # The key went as a header only: never in a URL, never in localStorage.
     key = trained["key_a"]
@@ -98,6 +110,11 @@ def test_the_queue_depth_of_a_waiting_request_shows_live_for_its_tenant_only(bro
     expect(row.locator("td").nth(4)).to_have_text("1")
     expect(page.locator("#curves-note")).to_contain_text("No training step recorded yet")
     assert trained["run_a"] not in page.content()
+    expect(page.locator("#sampling")).to_contain_text("0 requests")  # the other tenant's are not counted here
+    # A long session name is cut in its cell (whole in the tooltip), not the page widened.
+    name = page.locator("#sessions td", has_text="vlm-classifier")
+    expect(name).to_have_attribute("title", LONG_NAME)
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= page.viewport_size["width"] == 1280
     page.close()
 
 

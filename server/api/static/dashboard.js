@@ -9,6 +9,7 @@ const SVG = "http://www.w3.org/2000/svg";
 const $ = (id) => document.getElementById(id);
 let selectedRun = null;
 let timer = null;
+let lastSampling = null;  // the previous poll's tally and time, for the request rate
 
 function apiKey() { return sessionStorage.getItem(KEY_STORAGE); }
 
@@ -22,8 +23,36 @@ async function api(path) {
 function cell(row, text, className) {
   const td = row.insertCell();
   td.textContent = text === null || text === undefined ? "" : String(text);
+  td.title = td.textContent;  // the whole value, where the cell cuts it
   if (className) td.className = className;
   return td;
+}
+
+function number(value) {
+  // Short enough for an axis: 3 significant digits, exponents where plain digits would run long.
+  const size = Math.abs(value);
+  if (value !== 0 && (size < 1e-3 || size >= 1e5)) return value.toExponential(2);
+  return String(Number(value.toPrecision(3)));
+}
+
+function showSampling(sampling) {
+  const now = Date.now();
+  let rate = "";
+  if (lastSampling !== null && now > lastSampling.at) {
+    const perSecond = (sampling.requests - lastSampling.requests) * 1000 / (now - lastSampling.at);
+    rate = `, ${perSecond.toFixed(1)}/s`;
+  }
+  lastSampling = { requests: sampling.requests, at: now };
+  $("sampling").textContent = `${sampling.requests} requests${rate}, ${sampling.in_flight} in flight, ` +
+                              `${sampling.sampled_tokens} tokens`;
+  const prompt = sampling.prompt_cached_tokens + sampling.prompt_computed_tokens;
+  $("cache-hits").textContent = prompt ? `${(100 * sampling.prompt_cached_tokens / prompt).toFixed(0)} %` : "-";
+}
+
+function showGpus(gpus) {
+  $("gpu-fact").hidden = !gpus.length;
+  $("gpu-memory").textContent = gpus.map((g) => `${g.device}: ${bytes(g.reserved_bytes)} of ${bytes(g.total_bytes)}`)
+    .join(", ");
 }
 
 function fill(tableId, items, columns, onRow) {
@@ -68,8 +97,13 @@ function showOverview(data) {
   $("sampler").textContent = data.sampler;
   $("queue-depth").textContent = data.queue_depth;
   $("stored").textContent = bytes(data.stored_bytes);
+  showSampling(data.sampling);
+  showGpus(data.gpus);
   $("facts").hidden = false;
-  if (selectedRun === null && data.runs.length) selectedRun = data.runs[0].model_id;
+  if (selectedRun === null && data.runs.length) {
+    // The newest run with a curve to show (two steps or more), else the newest.
+    selectedRun = (data.runs.find((r) => r.num_steps >= 2) || data.runs[0]).model_id;
+  }
   fill("runs", data.runs, (r) => [[r.model_id], [shortId(r.session_id)], [r.lora_rank, "num"], [r.num_steps, "num"],
                                   [r.queue_depth, "num"], [r.loaded ? "yes" : "no"], [when(r.last_request_time)]],
        (row, r) => {
@@ -92,7 +126,7 @@ function order(curve) {
 }
 
 function chart(curve) {
-  const width = 380, height = 170, left = 52, right = 10, top = 10, bottom = 24;
+  const width = 380, height = 170, left = 56, right = 10, top = 10, bottom = 24;
   const steps = curve.points.map((p) => p[0]);
   const values = curve.points.map((p) => p[1]);
   let [low, high] = [Math.min(...values), Math.max(...values)];
@@ -126,8 +160,8 @@ function chart(curve) {
   };
   add("line", { class: "axis", x1: left, y1: height - bottom, x2: width - right, y2: height - bottom });
   add("line", { class: "axis", x1: left, y1: top, x2: left, y2: height - bottom });
-  add("text", { x: left - 4, y: top + 8, "text-anchor": "end" }, high.toPrecision(4));
-  add("text", { x: left - 4, y: height - bottom, "text-anchor": "end" }, low.toPrecision(4));
+  add("text", { x: left - 4, y: top + 8, "text-anchor": "end" }, number(high));
+  add("text", { x: left - 4, y: height - bottom, "text-anchor": "end" }, number(low));
   add("text", { x: left, y: height - 8 }, `step ${first}`);
   add("text", { x: width - right, y: height - 8, "text-anchor": "end" }, `step ${last}`);
   add("polyline", { class: "line", points: curve.points.map(([s, v]) => `${x(s).toFixed(1)},${y(v).toFixed(1)}`).join(" ") });
