@@ -164,3 +164,25 @@ def test_what_a_request_holds_is_released_once_it_is_over_or_at_once_when_it_is_
         return held_while_running
 
     assert run(scenario) == ["resent", "refused"] and released == ["resent", "refused", "running"]
+
+
+def test_each_tenants_requests_in_flight_are_counted_apart_and_forgotten_once_none_is_left():
+    async def scenario():
+        engine = FakeEngine()
+        futures = SamplingFutures(engine, ServerMetrics())
+        first = submit(futures, 1, owner="a")
+        submit(futures, 2, owner="a")
+        submit(futures, 3, owner="b")
+        assert (futures.pending_of("a"), futures.pending_of("b"), futures.pending_of("c")) == (2, 1, 0)
+        engine.finish(0)
+        await futures.retrieve(first, timeout=10, owner="a")
+        assert (futures.pending_of("a"), futures.pending_of("b")) == (1, 1)
+        for index in (1, 2):
+            engine.finish(index)
+        for _ in range(3000):  # the engine's callbacks reach the event loop
+            if not (futures.pending_of("a") or futures.pending_of("b")):
+                break
+            await asyncio.sleep(0.01)
+        return futures._pending_by_owner
+
+    assert run(scenario) == {}  # a tenant with nothing in flight holds no entry
