@@ -311,14 +311,13 @@ def _build_config(family: str, token_ids: dict[str, int], vocab_size: int):
 
 def _qwen3_5_config(family: str, text: dict, top: dict, patches: dict):
     """Qwen3.5 / Qwen3.6: a Gated DeltaNet (linear attention) layer, then a gated full-attention layer
-    (the real checkpoints repeat three linear to one full), partial M-RoPE on a quarter of each head.
-    The linear heads keep the real 128 dims: vLLM's CPU kernel for them takes no other size."""
+    (the real checkpoints repeat three linear to one full), partial M-RoPE on a quarter of each head."""
     from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
     rotary_half = text["hidden_size"] // NUM_HEADS // 8  # partial_rotary_factor 0.25 of head_dim, halved
     text.update(head_dim=HIDDEN_SIZE // NUM_HEADS, attention_bias=False, layer_types=["linear_attention",
                                                                                       "full_attention"],
-                linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
                 linear_num_key_heads=2, linear_num_value_heads=4,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                                  # [11, 11, 10] of the real 32, [3, 3, 2] of the tiny 8

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from server import app as app_module
 from server import progress
 from server.__main__ import bind
 from server.banner import ready_line, server_url, start_banner
@@ -105,7 +106,7 @@ def test_a_models_loading_is_reported(monkeypatch, caplog, models_dir: Path):
     assert [r.getMessage() for r in caplog.records][0].startswith("event=model_load_started base_model=builtin:tiny")
 
 
-def test_a_start_up_refused_for_what_the_operator_gave_is_one_line_unless_debug(tmp_path):
+def test_a_start_up_refused_for_what_the_operator_gave_is_one_line(tmp_path):
     command = [sys.executable, "-m", "server", "--base-model", "acme/not-a-model", "--data-dir", str(tmp_path),
                "--port", "0"]
     quiet = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -113,8 +114,30 @@ def test_a_start_up_refused_for_what_the_operator_gave_is_one_line_unless_debug(
     assert quiet.returncode != 0
     assert f"ERROR:    {reason} (--debug prints the traceback)" in quiet.stderr
     assert "Traceback" not in quiet.stderr and "Traceback" not in quiet.stdout
-    loud = subprocess.run([*command, "--debug"], capture_output=True, text=True, timeout=300)
-    assert loud.returncode != 0 and "Traceback" in loud.stderr and reason in loud.stderr
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_with_debug_a_refused_start_up_keeps_its_traceback(monkeypatch, debug):
+    def refuse(config, metrics):
+        raise ValueError("no such model")
+
+    monkeypatch.setattr(app_module, "build_services", refuse)
+    app = app_module.create_app(parse_config(["--base-model", "m", *(["--debug"] if debug else [])]))
+    sent = []
+
+    async def receive():
+        return {"type": "lifespan.startup"}
+
+    async def send(message):
+        sent.append(message)
+
+    with pytest.raises(ValueError, match="no such model"):  # and uvicorn, having logged the message, exits
+        asyncio.run(app({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send))
+    (failed,) = [message for message in sent if message["type"] == "lifespan.startup.failed"]
+    if debug:
+        assert "Traceback" in failed["message"] and "no such model" in failed["message"]
+    else:
+        assert failed["message"] == "no such model (--debug prints the traceback)"
 
 
 def test_a_cuda_device_without_a_gpu_is_refused_with_what_to_use_instead():

@@ -38,8 +38,10 @@ def test_vllm_runs_the_plugins_variant_on_loopback_with_token_in_token_out_raw_l
                                                    "max_window_layers": 2}
     assert (flags["--max-loras"], flags["--max-lora-rank"], flags["--max-cpu-loras"]) == ("2", "16", "3")
     first_target = command.index("--lora-target-modules") + 1
-    assert set(command[first_target:first_target + 8]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                            "up_proj", "down_proj", "lm_head"}
+    # Every layer kind the trainer may adapt, whichever family is served (vLLM skips names a model lacks).
+    assert set(command[first_target:first_target + 14]) == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+        "gate_proj", "up_proj", "down_proj", "experts", "lm_head"}
     environment = vllm_environment(config)
     assert environment["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and "PYTHONPATH" not in environment
     assert "--enable-lora" not in vllm_command(VLLMConfig(python=Path("p"), max_loras=0),
