@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from server.models.registry import ModelFamily
+from server.training.adapter_settings import AdapterSettings
 from server.training.lora_experts import ExpertProjection, LoraExperts, is_routed_experts
 
 
@@ -56,7 +57,7 @@ class AdapterSlot:
         self.layers: list[LoraLinear | ExpertProjection] = []
 
 
-class LoraLinear(nn.Module):
+class LoraLinear(AdapterSettings, nn.Module):
     """An nn.Linear plus the delta of what `use_adapter` or `use_adapter_rows` put in place.
 
     The adapter's tensors are plain attributes of the layer while it is in use, so a compiled
@@ -67,23 +68,11 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.name = name
-        # One adapter for every row (use_adapter):
-        self.lora_A: torch.Tensor | None = None
-        self.lora_B: torch.Tensor | None = None
-        self.scale = 1.0
-        # One adapter per row (use_adapter_rows): the adapters' ranks side by side, A [J, in] and B [out, J],
-        # and each row's scale on each column (its adapter's scale on its adapter's columns, else 0).
-        self.grouped_A: torch.Tensor | None = None
-        self.grouped_B: torch.Tensor | None = None
-        self.row_scale_BJ: torch.Tensor | None = None
+        self.clear_adapter()
         # The layers of its block that read the same input (q, k, v; gate, up), and its place among them:
         # the same in every block, so that every block runs the same compiled code.
         self.siblings: SharedInput | None = None
         self.sibling_index = 0
-
-    @property
-    def adapted(self) -> bool:
-        return self.lora_A is not None or self.grouped_A is not None
 
     @property
     def device(self) -> torch.device:
@@ -304,8 +293,7 @@ def use_adapter_rows(slot: AdapterSlot, stack: AdapterStack, row_adapter_B: torc
 
 def _clear(slot: AdapterSlot) -> None:
     for layer in slot.layers:
-        layer.lora_A = layer.lora_B = layer.grouped_A = layer.grouped_B = layer.row_scale_BJ = None
-        layer.scale = 1.0
+        layer.clear_adapter()
         if layer.siblings is not None:
             layer.siblings.clear()
 

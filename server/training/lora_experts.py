@@ -18,6 +18,8 @@ expert, H hidden, I expert intermediate, J stacked LoRA columns, B rows of the b
 import torch
 from torch import nn
 
+from server.training.adapter_settings import AdapterSettings
+
 # The module path suffixes PEFT gives fused expert parameters: gate_up_proj's LoRA sits on the experts
 # module's "base_layer", down_proj's on the module itself.
 GATE_UP_SUFFIX = ".base_layer"
@@ -37,7 +39,7 @@ def is_routed_experts(module: nn.Module) -> bool:
     return isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
 
 
-class ExpertProjection:
+class ExpertProjection(AdapterSettings):
     """One fused projection of the experts (gate_up or down): what an adapter adds to it, per expert.
 
     Holds the same settings as a LoraLinear (`use_adapter` / `use_adapter_rows` put them in place), so
@@ -50,19 +52,8 @@ class ExpertProjection:
         self.in_features = in_features
         self.out_features = out_features
         self.device = device
-        self.lora_A: torch.Tensor | None = None
-        self.lora_B: torch.Tensor | None = None
-        self.scale = 1.0
-        self.grouped_A: torch.Tensor | None = None
-        """[E, J, in]: the stacked adapters' A of each expert."""
-        self.grouped_B: torch.Tensor | None = None
-        """[E, out, J]."""
-        self.row_scale_BJ: torch.Tensor | None = None
+        self.clear_adapter()  # grouped_A is [E, J, in] here, grouped_B [E, out, J]
         self.siblings = None  # experts share no input with another LoRA layer
-
-    @property
-    def adapted(self) -> bool:
-        return self.lora_A is not None or self.grouped_A is not None
 
     def per_expert(self, lora_A: torch.Tensor, lora_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One adapter's factors as [E, r, in] and [E, out, r]."""

@@ -140,8 +140,7 @@ def test_with_debug_a_refused_start_up_keeps_its_traceback(monkeypatch, debug):
         assert failed["message"] == "no such model (--debug prints the traceback)"
 
 
-def test_a_cuda_device_without_a_gpu_is_refused_with_what_to_use_instead():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")  # the refusal is for machines without one
+def test_a_cuda_device_without_a_gpu_is_refused_with_what_to_use_instead(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # as on a machine without one
     with pytest.raises(ValueError, match="no CUDA GPU.*use --device cpu"):
         init_training_group(0, 1, "cuda", "127.0.0.1", 0)
