@@ -207,6 +207,12 @@ def checkpoint_of(services: Services, path: str, owner: str, access_token: str |
     a published one, or one whose weights access token it holds."""
     tinker_path = str(parse_tinker_path(path))
     record = services.store.get_checkpoint(tinker_path) if _storable(tinker_path) else None
+    return readable_checkpoint(services, record, path, owner, access_token)
+
+
+def readable_checkpoint(services: Services, record: CheckpointRecord | None, path: str, owner: str,
+                        access_token: str | None = None) -> CheckpointRecord:
+    """`record` (the checkpoint behind `path`) if the caller may read it, or 404."""
     if record is not None and (record.owner == owner or record.public or (
             access_token is not None and services.signer.valid_weights_access_token(
                 access_token, record.tinker_path, record.created_at.isoformat()))):

@@ -20,17 +20,19 @@ from server.api.deps import (
     ensure_sampling_session,
     payload_hash,
     read_body,
+    readable_checkpoint,
     record_sampled_sequences,
     sampler_of,
     services_of,
     session_of,
     tenant_of,
 )
-from server.errors import InvalidRequest, PayloadTooLarge
+from server.errors import InvalidRequest, NotFound, PayloadTooLarge
 from server.rendering.chunks import RenderedInput
 from server.sampling.engine import checkpoint_adapter_name
 from server.sampling.types import AdapterRef, LogprobOptions, PromptTargets, SampleOutput, SamplingOptions, \
     SamplingRequest
+from server.store.checkpoints import parse_tinker_path
 from server.store.store import CheckpointRecord, SamplingSessionRecord
 from server.wire.proto import SampledSequenceOut, encode_sample_response
 from server.wire.types import (
@@ -90,7 +92,17 @@ async def pin_adapter(services: Services, record: SamplingSessionRecord | None, 
         services.checkpoint_pins.acquire(checkpoint.tinker_path)
         return checkpoint
 
-    checkpoint = await asyncio.to_thread(hold)
+    # An RL loop names the same checkpoint in every request: once read, it is pinned here on the event loop,
+    # without a database read or a thread (the store forgets a checkpoint whose row changes).
+    remembered = services.store.remembered_checkpoint(str(parse_tinker_path(path)))
+    if remembered is not None and services.checkpoint_pins.try_acquire(remembered.tinker_path):
+        try:
+            checkpoint = readable_checkpoint(services, remembered, path, owner)
+        except NotFound:
+            services.checkpoint_pins.release(remembered.tinker_path)
+            raise
+    else:
+        checkpoint = await asyncio.to_thread(hold)
     adapter = AdapterRef(name=checkpoint_adapter_name(checkpoint.tinker_path, checkpoint.created_at),
                          directory=Path(checkpoint.directory))
     return adapter, lambda: services.checkpoint_pins.release(checkpoint.tinker_path)

@@ -37,6 +37,14 @@ class CheckpointPins:
             self._changed.wait_for(lambda: tinker_path not in self._removing)
             self._holds[tinker_path] += 1
 
+    def try_acquire(self, tinker_path: str) -> bool:
+        """Pin a checkpoint unless its removal is under way (False); never waits (safe on the event loop)."""
+        with self._changed:
+            if tinker_path in self._removing:
+                return False
+            self._holds[tinker_path] += 1
+            return True
+
     def release(self, tinker_path: str) -> None:
         with self._changed:
             self._holds[tinker_path] -= 1

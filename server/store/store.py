@@ -9,7 +9,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -22,7 +22,7 @@ from server.store.run_metrics import RunMetrics
 from server.store.sampled_sequences import SampledSequences
 
 FutureStatus = Literal["pending", "complete", "failed"]
-MAX_CACHED_SAMPLING_SESSIONS = 4096
+MAX_REMEMBERED_RECORDS = 4096
 CheckpointType = Literal["training", "sampler", "external"]
 
 
@@ -181,9 +181,11 @@ class Store:
         """Sequences sampled with record_stability_info (stable_reinforce); a module of its own."""
         self.run_metrics = RunMetrics(self.engine)
         """Each run's metrics per step (the dashboard's curves); a module of its own."""
-        self._sampling_sessions: OrderedDict[str, SamplingSessionRecord] = OrderedDict()
+        self._sampling_sessions = _Remembered[SamplingSessionRecord]()
         """Sampling sessions read lately: they never change once written, and every sample request names one."""
-        self._sampling_sessions_lock = threading.Lock()
+        self._checkpoints = _Remembered[CheckpointRecord]()
+        """Checkpoints read lately (a sample request names one): forgotten by every write to their row here, the
+        only writer while this server owns the journal."""
 
     def close(self) -> None:
         """Close every pooled connection."""
@@ -464,12 +466,23 @@ class Store:
         )
         with self._transaction() as db:
             db.execute(statement)
+        self._checkpoints.forget(ckpt.tinker_path)
 
     def get_checkpoint(self, tinker_path: str) -> CheckpointRecord | None:
-        """The checkpoint, or None."""
+        """The checkpoint, or None (from memory when it was read lately)."""
+        if (record := self._checkpoints.get(tinker_path)) is not None:
+            return record
+        era = self._checkpoints.era()
         with self._transaction() as db:
             row = db.get(CheckpointRow, tinker_path)
-            return None if row is None else _to_record(CheckpointRecord, row)
+            record = None if row is None else _to_record(CheckpointRecord, row)
+        if record is not None:
+            self._checkpoints.put(tinker_path, record, era)
+        return record
+
+    def remembered_checkpoint(self, tinker_path: str) -> CheckpointRecord | None:
+        """The checkpoint if it was read lately, without touching the database (safe on the event loop)."""
+        return self._checkpoints.get(tinker_path)
 
     def list_checkpoints(
         self, *, model_id: str | None, owner: str, limit: int, offset: int
@@ -513,7 +526,9 @@ class Store:
     def _update_checkpoint(self, tinker_path: str, **values: Any) -> bool:
         statement = sa.update(CheckpointRow).where(CheckpointRow.tinker_path == tinker_path).values(**values)
         with self._transaction() as db:
-            return db.execute(statement).rowcount == 1
+            updated = db.execute(statement).rowcount == 1
+        self._checkpoints.forget(tinker_path)
+        return updated
 
     def expired_checkpoints(self, now: datetime) -> list[CheckpointRecord]:
         """Checkpoints whose expiry has passed and that no sampler uses (see `_checkpoint_in_use`)."""
@@ -530,12 +545,16 @@ class Store:
             CheckpointRow.tinker_path == record.tinker_path, CheckpointRow.created_at == record.created_at,
             CheckpointRow.expires_at <= now, ~_checkpoint_in_use())
         with self._transaction() as db:
-            return db.execute(statement).rowcount == 1
+            deleted = db.execute(statement).rowcount == 1
+        self._checkpoints.forget(record.tinker_path)
+        return deleted
 
     def delete_checkpoint(self, tinker_path: str) -> bool:
         """Forget a checkpoint (its files are the caller's); False if it is unknown."""
         with self._transaction() as db:
-            return db.execute(sa.delete(CheckpointRow).where(CheckpointRow.tinker_path == tinker_path)).rowcount == 1
+            deleted = db.execute(sa.delete(CheckpointRow).where(CheckpointRow.tinker_path == tinker_path)).rowcount == 1
+        self._checkpoints.forget(tinker_path)
+        return deleted
 
     # sampling sessions
 
@@ -546,19 +565,14 @@ class Store:
 
     def get_sampling_session(self, sampling_session_id: str) -> SamplingSessionRecord | None:
         """The sampling session, or None (from memory when it was read lately)."""
-        with self._sampling_sessions_lock:
-            record = self._sampling_sessions.get(sampling_session_id)
-            if record is not None:
-                self._sampling_sessions.move_to_end(sampling_session_id)
-                return record
+        if (record := self._sampling_sessions.get(sampling_session_id)) is not None:
+            return record
+        era = self._sampling_sessions.era()
         with self._transaction() as db:
             row = db.get(SamplingSessionRow, sampling_session_id)
             record = None if row is None else _to_record(SamplingSessionRecord, row)
         if record is not None:
-            with self._sampling_sessions_lock:
-                self._sampling_sessions[sampling_session_id] = record
-                while len(self._sampling_sessions) > MAX_CACHED_SAMPLING_SESSIONS:
-                    self._sampling_sessions.popitem(last=False)
+            self._sampling_sessions.put(sampling_session_id, record, era)
         return record
 
     # API keys
@@ -597,6 +611,41 @@ class Store:
         """Whether any key was ever issued (revoked ones count)."""
         with self._transaction() as db:
             return db.scalar(sa.select(sa.func.count()).select_from(ApiKeyRow)) > 0
+
+class _Remembered(Generic[RecordT]):
+    """Records read lately, by key, the least recently used forgotten past MAX_REMEMBERED_RECORDS; thread-safe."""
+
+    def __init__(self):
+        self._records: OrderedDict[str, RecordT] = OrderedDict()
+        self._lock = threading.Lock()
+        self._forgets = 0
+        """Counts `forget` calls: a record read from the database before one is not kept (it may be stale)."""
+
+    def era(self) -> int:
+        """Take before reading a record from the database; give to `put`."""
+        with self._lock:
+            return self._forgets
+
+    def get(self, key: str) -> RecordT | None:
+        with self._lock:
+            record = self._records.get(key)
+            if record is not None:
+                self._records.move_to_end(key)
+            return record
+
+    def put(self, key: str, record: RecordT, era: int) -> None:
+        with self._lock:
+            if era != self._forgets:
+                return
+            self._records[key] = record
+            while len(self._records) > MAX_REMEMBERED_RECORDS:
+                self._records.popitem(last=False)
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._forgets += 1
+            self._records.pop(key, None)
+
 
 def _checkpoint_in_use() -> sa.ColumnElement[bool]:
     """A checkpoint is in use while a sampling session of a session that is not finished samples from it (its

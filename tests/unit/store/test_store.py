@@ -13,7 +13,7 @@ from alembic.script import ScriptDirectory
 
 from server.store.db import MIGRATIONS_DIR
 from server.store.rows import Base
-from server.store.store import CheckpointRecord, SamplingSessionRecord, Store, TrainingRunRecord
+from server.store.store import CheckpointRecord, SamplingSessionRecord, Store, TrainingRunRecord, _Remembered
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -264,6 +264,36 @@ def test_checkpoints_list_newest_first_replace_by_path_and_delete(store: Store):
     assert not store.delete_checkpoint(replacement.tinker_path)
     assert store.get_checkpoint(replacement.tinker_path) is None
     assert not store.set_checkpoint_public(replacement.tinker_path, False)
+
+
+def test_a_checkpoint_read_lately_is_remembered_until_a_write_to_its_row(store: Store):
+    make_session(store)
+    store.create_training_run(make_run())
+    checkpoint = make_checkpoint("a", T0)
+    store.add_checkpoint(checkpoint)
+    path = checkpoint.tinker_path
+    assert store.remembered_checkpoint(path) is None  # written, never read
+    for change in [lambda: store.set_checkpoint_public(path, True),
+                   lambda: store.set_checkpoint_expires_at(path, T0),
+                   lambda: store.add_checkpoint(make_checkpoint("a", T0 + timedelta(minutes=1)))]:
+        before = store.get_checkpoint(path)
+        assert store.remembered_checkpoint(path) == before
+        change()
+        assert store.remembered_checkpoint(path) is None
+        assert store.get_checkpoint(path) != before
+    store.set_checkpoint_expires_at(path, T0)
+    assert store.delete_expired_checkpoint(store.get_checkpoint(path), T0 + timedelta(days=1))
+    assert store.remembered_checkpoint(path) is None and store.get_checkpoint(path) is None
+
+
+def test_a_record_read_before_a_forget_is_not_remembered():
+    remembered = _Remembered[str]()
+    era = remembered.era()
+    remembered.forget("other")  # a write lands while the read is under way: the read may be stale
+    remembered.put("key", "stale", era)
+    assert remembered.get("key") is None
+    remembered.put("key", "fresh", remembered.era())
+    assert remembered.get("key") == "fresh"
 
 
 def test_a_restarted_store_sees_everything_and_reruns_no_migration(database_url: str):
