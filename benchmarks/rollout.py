@@ -66,6 +66,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=1,
                         help="client processes a burst is split over (each its own SDK client), as many users send "
                              "at once; 1 is one RL loop's process")
+    parser.add_argument("--client", choices=["sdk", "http"], default="sdk",
+                        help="how the --clients processes send a burst: the tinker SDK, or plain HTTP (httpx, the SDK's "
+                             "own request bodies, asample then retrieve_future) to measure the server without the "
+                             "SDK's own cost per request")
     parser.add_argument("--sides", default="server")
     parser.add_argument("--server-args", default="", help="more flags for python -m server")
     parser.add_argument("--vllm-python", type=Path, default=REPO_ROOT / ".venv-vllm" / "bin" / "python")
@@ -166,8 +170,9 @@ class Prompts:
 
 
 def client_process(url: str, api_key: str, sampler_path: str, model_dir: str, num_images: int, indices: list[int],
-                   max_tokens: int, ready, go, results) -> None:
-    """One of --clients processes: its own SDK client sends its share of a burst once all are ready."""
+                   max_tokens: int, client: str, ready, go, results) -> None:
+    """One of --clients processes: its own SDK client (or plain HTTP client) sends its share of a burst once all
+    are ready."""
     import tinker
     from tinker import types
     from transformers import AutoTokenizer
@@ -181,12 +186,48 @@ def client_process(url: str, api_key: str, sampler_path: str, model_dir: str, nu
     params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=[])
     warm_up = prompts.build(10_000_000 + indices[0], num_images)
     sampler.sample(warm_up, num_samples=1, sampling_params=params).result()  # connected and warm
+    if client == "http":
+        send = http_sender(url, api_key, sampler._sampling_session_id, inputs, params, len(inputs))
+    else:
+        send = lambda index: sampler.sample(inputs[index], num_samples=1, sampling_params=params)  # noqa: E731
     ready.put(None)
     go.wait()
     timed = Timed()
-    seconds = asyncio.run(timed.run(
-        lambda index: sampler.sample(inputs[index], num_samples=1, sampling_params=params), len(inputs)))
+    seconds = asyncio.run(timed.run(send, len(inputs)))
     results.put((seconds, timed.latencies))
+
+
+def http_sender(url: str, api_key: str, sampling_session_id: str, inputs, params, concurrency: int):
+    """send(index) for plain HTTP: the body the SDK would send (its own serialisation) to asample, then
+    retrieve_future until the result is there; one connection per request in flight, as the SDK keeps."""
+    import httpx
+    from tinker import types
+    from tinker._compat import model_dump
+
+    bodies = [json.dumps(model_dump(types.SampleRequest(
+        sampling_session_id=sampling_session_id, seq_id=1_000_000 + index, num_samples=1, prompt=prompt,
+        sampling_params=params), exclude_unset=False, exclude_none=True, mode="json")).encode()
+        for index, prompt in enumerate(inputs)]
+    headers = {"X-API-Key": api_key, "Content-Type": "application/json"}
+    clients = {}
+
+    async def send(index: int) -> None:
+        loop = asyncio.get_running_loop()
+        if loop not in clients:  # made on the loop that uses it
+            clients[loop] = httpx.AsyncClient(base_url=url, headers=headers, timeout=60,
+                                              limits=httpx.Limits(max_connections=2 * concurrency))
+        client = clients[loop]
+        response = await client.post("/api/v1/asample", content=bodies[index])
+        response.raise_for_status()
+        request_id = response.json()["request_id"]
+        while (response := await client.post("/api/v1/retrieve_future", json={"request_id": request_id})
+               ).status_code == 408:
+            pass
+        response.raise_for_status()
+        if response.headers["content-type"].startswith("application/json"):  # a sample's result is protobuf
+            raise RuntimeError(f"sample request failed: {response.text}")
+
+    return send
 
 
 def burst_from_processes(args, server, sampler_path: str, model_dir: str, num_images: int,
@@ -199,7 +240,8 @@ def burst_from_processes(args, server, sampler_path: str, model_dir: str, num_im
     first = round_index * args.requests
     processes = [context.Process(target=client_process, args=(
         server.url, server.api_key, sampler_path, model_dir, num_images,
-        list(range(first + client, first + args.requests, args.clients)), args.max_tokens, ready, go, results))
+        list(range(first + client, first + args.requests, args.clients)), args.max_tokens, args.client, ready, go,
+        results))
         for client in range(args.clients)]
     for process in processes:
         process.start()
@@ -245,7 +287,7 @@ def run_server(args, side: str) -> dict:
                     await sampler.sample(prompt(index, num_images), num_samples=1, sampling_params=params)
 
                 burst = None
-                if args.clients > 1:
+                if args.clients > 1 or args.client == "http":
                     burst = lambda round_index, num_images=num_images: burst_from_processes(  # noqa: E731
                         args, server, sampler_path, training.get_info().model_data.tokenizer_id, num_images,
                         round_index)

@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from server.config import BUILTIN_PREFIX, ModelConfig
+from server.models.attention import ATTENTION
 from server.models.image_processor import ImageProcessorSpec
 from server.models.registry import ModelFamily, VisionSpec, family_for
 from server.models.builtin import ensure_builtin_model
@@ -78,7 +79,7 @@ def load_base_model(config: ModelConfig, device: torch.device | str | None = Non
         hf_config = transformers.AutoConfig.from_pretrained(path)
         family = family_for(hf_config.model_type)
         auto_class = getattr(transformers, family.auto_class)
-        model = auto_class.from_pretrained(path, dtype=getattr(torch, config.dtype), attn_implementation="sdpa")
+        model = auto_class.from_pretrained(path, dtype=getattr(torch, config.dtype), attn_implementation=ATTENTION)
         step.note(f"moving to {device}")
         model.to(device).eval().requires_grad_(False)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
