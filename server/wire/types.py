@@ -311,7 +311,8 @@ class AdamParams(WireRequest):
     learning_rate: float = Field(default=1e-4, ge=0, le=MAX_LEARNING_RATE)
     beta1: float = Field(default=0.9, ge=0, lt=1)
     beta2: float = Field(default=0.95, ge=0, lt=1)
-    eps: float = Field(default=1e-12, ge=0, le=1)
+    eps: float = Field(default=1e-12, gt=0, le=1)
+    """Above 0: AdamW divides by sqrt(v) + eps, and v is 0 wherever a gradient was."""
     weight_decay: float = Field(default=0.0, ge=0, le=10)
     """Decoupled (AdamW) weight decay."""
     grad_clip_norm: float = Field(default=0.0, ge=0, le=1e12)

@@ -41,6 +41,7 @@ def sdk_refusals(tc: tinker.TrainingClient, data: list[types.Datum]):
         ("learning_rate=-1", lambda: tc.optim_step(types.AdamParams(learning_rate=-1)), "learning_rate"),
         ("learning_rate=1e30", lambda: tc.optim_step(types.AdamParams(learning_rate=1e30)), "learning_rate"),
         ("beta2=1.0", lambda: tc.optim_step(types.AdamParams(beta2=1.0)), "beta2"),
+        ("eps=0", lambda: tc.optim_step(types.AdamParams(eps=0.0)), "eps"),
         ('save_state("a/b")', lambda: tc.save_state("a/b"), "'a/b'"),
         ('save_state("..")', lambda: tc.save_state(".."), "'..'"),
         ('save_weights_for_sampler("x/y")', lambda: tc.save_weights_for_sampler("x/y"), "'x/y'"),
