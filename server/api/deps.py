@@ -318,7 +318,8 @@ async def journal_refusal(request: Request, error: TinkerServerError) -> None:
         return
     services = services_of(request)
     if request_type == "ForwardBackward":
-        slot = read_forward_backward_slot(body, request.headers.get("content-encoding"))
+        inflated = getattr(request.state, "inflated", False)
+        slot = read_forward_backward_slot(body, None if inflated else request.headers.get("content-encoding"))
         if slot is not None and slot[2]:
             request_type = "Forward"
     else:
@@ -343,7 +344,7 @@ async def journal_refusal(request: Request, error: TinkerServerError) -> None:
 def _read_json_slot(body: bytes) -> tuple[str, int] | None:
     try:
         fields = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
         return None
     if not isinstance(fields, dict):
         return None

@@ -11,7 +11,8 @@ from server.store.run_metrics import FORWARD_BACKWARD, OPTIM_STEP
 from server.training.curves import curve_metrics
 from server.training.losses import resolve_loss
 from server.training.operations import ForwardBackward, OptimStep
-from server.wire.proto import decode_forward_backward_request, encode_forward_backward_output
+from server.wire.proto import (decode_forward_backward_request, encode_forward_backward_output,
+                               inflate_forward_backward_body)
 from server.wire.types import AdamParams, OptimStepRequest, OptimStepResponse, UntypedAPIFuture
 
 router = APIRouter(prefix="/api/v1")
@@ -22,8 +23,11 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
     """Compute the loss on a batch and, unless forward_only, accumulate its gradients."""
     limits = services.config.limits
     body = await read_body(request, limits.max_request_bytes)
+    # Journaled and hashed as decoded: the same request resent in another encoding is the same request.
+    body = request.state.body = inflate_forward_backward_body(body, request.headers.get("content-encoding"))
+    request.state.inflated = True
     try:
-        fwdbwd = decode_forward_backward_request(body, request.headers.get("content-encoding"))
+        fwdbwd = decode_forward_backward_request(body, None)
     except InvalidRequest:
         raise  # says what is wrong, with its own status (413 for a body that inflates past the limit)
     except ValueError as error:

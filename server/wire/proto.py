@@ -107,13 +107,20 @@ def read_forward_backward_slot(body: bytes, content_encoding: str | None) -> tup
     return message.model_id, message.seq_id, message.forward_only
 
 
-def _parse_forward_backward(body: bytes, content_encoding: str | None, max_decompressed_bytes: int
-                            ) -> pb.ForwardBackwardRequest:
+def inflate_forward_backward_body(body: bytes, content_encoding: str | None,
+                                  max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> bytes:
+    """The protobuf bytes of a forward_backward body, whatever its Content-Encoding (zstd or none)."""
     encoding = (content_encoding or "identity").strip().lower()
     if encoding == "zstd":
-        body = _zstd_decompress(body, max_decompressed_bytes)
-    elif encoding != "identity":
+        return _zstd_decompress(body, max_decompressed_bytes)
+    if encoding != "identity":
         raise InvalidRequest(f"unsupported Content-Encoding {content_encoding!r} (use zstd or none)")
+    return body
+
+
+def _parse_forward_backward(body: bytes, content_encoding: str | None, max_decompressed_bytes: int
+                            ) -> pb.ForwardBackwardRequest:
+    body = inflate_forward_backward_body(body, content_encoding, max_decompressed_bytes)
     message = pb.ForwardBackwardRequest()
     try:
         message.ParseFromString(body)

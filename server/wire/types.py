@@ -789,4 +789,6 @@ class GetSessionResponse(WireResponse):
 
 
 class HealthResponse(WireResponse):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "degraded"] = "ok"
+    detail: str | None = None
+    """What is degraded (a full disk: requests that need it fail with 507 until space is freed)."""
