@@ -369,12 +369,15 @@ def check_run_quota(services: Services, owner: str) -> None:
 
 
 def check_storage_quota(services: Services, owner: str) -> None:
-    """A tenant keeps at most --max-stored-gb-per-tenant of checkpoint files."""
+    """A tenant keeps at most --max-stored-gb-per-tenant of checkpoint files and journal rows (sessions, runs,
+    results, recorded samples) together. Runs on a worker thread: it sums over the journal."""
     limit = services.config.limits.max_stored_bytes_per_tenant
-    stored = services.store.stored_checkpoint_bytes(owner)
-    if stored >= limit:
-        raise InvalidRequest(f"tenant {owner!r} stores {stored} bytes of checkpoints, at or over the limit of "
-                             f"{limit} (--max-stored-gb-per-tenant); delete checkpoints to save more")
+    checkpoints = services.store.stored_checkpoint_bytes(owner)
+    journal = services.store.tenant_data.journal_bytes(owner)
+    if checkpoints + journal >= limit:
+        raise InvalidRequest(f"tenant {owner!r} stores {checkpoints} bytes of checkpoints and {journal} of journal "
+                             f"(sessions, runs, results), at or over the limit of {limit} "
+                             f"(--max-stored-gb-per-tenant); delete checkpoints or sessions to store more")
 
 
 def check_sampled_tokens(services: Services, num_samples: int, max_tokens: int) -> None:

@@ -20,6 +20,7 @@ from server.store.rows import (DEFAULT_PROJECT, ApiKeyRow, Base, CheckpointRow, 
                                SessionRow, TrainingRunRow)
 from server.store.run_metrics import RunMetrics
 from server.store.sampled_sequences import SampledSequences
+from server.store.tenant_data import TenantData
 
 FutureStatus = Literal["pending", "complete", "failed"]
 MAX_CACHED_SAMPLING_SESSIONS = 4096
@@ -181,6 +182,8 @@ class Store:
         """Sequences sampled with record_stability_info (stable_reinforce); a module of its own."""
         self.run_metrics = RunMetrics(self.engine)
         """Each run's metrics per step (the dashboard's curves); a module of its own."""
+        self.tenant_data = TenantData(self.engine)
+        """Each tenant's journal bytes (in its storage quota); a module of its own, as is deleting a session."""
         self._sampling_sessions: OrderedDict[str, SamplingSessionRecord] = OrderedDict()
         """Sampling sessions read lately: they never change once written, and every sample request names one."""
         self._sampling_sessions_lock = threading.Lock()
@@ -560,6 +563,13 @@ class Store:
                 while len(self._sampling_sessions) > MAX_CACHED_SAMPLING_SESSIONS:
                     self._sampling_sessions.popitem(last=False)
         return record
+
+    def delete_session(self, session_id: str) -> None:
+        """Delete a session with its runs and samplers (see TenantData.delete_session)."""
+        self.tenant_data.delete_session(session_id)
+        with self._sampling_sessions_lock:
+            for sampling_session_id in [k for k, v in self._sampling_sessions.items() if v.session_id == session_id]:
+                del self._sampling_sessions[sampling_session_id]
 
     # API keys
 
