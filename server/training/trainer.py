@@ -130,12 +130,12 @@ def _restore_optimizer(optimizer: torch.optim.AdamW, copy: list[tuple[torch.Tens
                 optimizer.state.pop(parameter, None)
 
 
-def _check_finite(run: TrainableModel) -> None:
-    """Non-finite weights are never saved or served (optim_step refuses to make them; a loaded checkpoint may
-    hold them)."""
-    if not _all_finite(list(run.adapter.parameters())):
-        raise InvalidRequest(f"the weights of {run.model_id} are not finite; they cannot be saved or sampled. "
-                             f"Load a checkpoint saved before the run went bad")
+def _check_finite(adapter: LoraAdapter, whose: str) -> None:
+    """Non-finite weights are never saved, served or loaded (optim_step refuses to make them; a checkpoint
+    written before it did may hold them)."""
+    if not _all_finite(list(adapter.parameters())):
+        raise InvalidRequest(f"{whose} are not finite; they cannot be saved, sampled or trained. Load a checkpoint "
+                             f"saved before the run went bad")
 
 
 def build_trainer(config: ServerConfig, group: TrainingGroup) -> "Trainer":
@@ -420,20 +420,21 @@ class Trainer:
     def copy_state(self, model_id: str, with_optimizer: bool) -> checkpoint_io.AdapterState:
         """The adapter (and the optimizer moments) in host memory, for a checkpoint written off this thread."""
         run = self.get(model_id)
-        _check_finite(run)
+        _check_finite(run.adapter, f"the weights of {model_id}")
         return checkpoint_io.copy_state(run.adapter, run.optimizer if with_optimizer else None, run.lora_config,
                                         run.num_steps, self.base.name)
 
     def snapshot(self, model_id: str) -> LoraAdapter:
         """A frozen copy of the current adapter, for an ephemeral sampling session."""
         run = self.get(model_id)
-        _check_finite(run)
+        _check_finite(run.adapter, f"the weights of {model_id}")
         return run.adapter.frozen_copy()
 
     def load_state(self, model_id: str, directory, with_optimizer: bool) -> None:
         """Replace an existing run's weights (and optimizer moments) with a checkpoint's (on every rank)."""
         run = self.get(model_id)
         loaded = checkpoint_io.load_checkpoint(directory, self.device, with_optimizer)
+        _check_finite(loaded.adapter, "the checkpoint's weights")
         if loaded.lora_config.rank != run.lora_config.rank or loaded.adapter.lora_A.keys() != run.adapter.lora_A.keys():
             raise InvalidRequest(f"checkpoint has rank {loaded.lora_config.rank} and other layers than run "
                                  f"{model_id} (rank {run.lora_config.rank})")
@@ -443,6 +444,7 @@ class Trainer:
     def create_model_from_checkpoint(self, model_id: str, directory, with_optimizer: bool) -> LoraConfig:
         """Start a run from a checkpoint (create-via-load, on every rank); returns the LoRA config it carried."""
         loaded = checkpoint_io.load_checkpoint(directory, self.device, with_optimizer)
+        _check_finite(loaded.adapter, "the checkpoint's weights")
         self._lead("create_model_from_checkpoint", model_id, directory, with_optimizer)
         self._install(model_id, loaded.lora_config, loaded)
         return loaded.lora_config

@@ -522,9 +522,14 @@ def test_a_non_finite_gradient_is_refused_and_leaves_weights_and_optimizer_state
 
 
 def test_a_step_that_would_make_the_weights_non_finite_is_rolled_back_and_such_weights_are_never_copied_out(
-        trainer):
+        trainer, tmp_path):
     model_id = create_run(trainer)
     run = trainer.models[model_id]
+    poisoned = trainer.copy_state(model_id, with_optimizer=False)  # as an older server may have saved it
+    next(iter(poisoned.adapter.parameters())).data.view(-1)[0] = float("nan")
+    checkpoint_io.save_state(tmp_path, poisoned)
+    with pytest.raises(InvalidRequest, match="the checkpoint's weights are not finite"):
+        trainer.load_state(model_id, tmp_path, with_optimizer=False)
     trainer.forward_backward(model_id, sft_batch(15, [6], trainer.base.vocab_size), "cross_entropy", None,
                              forward_only=False)
     trainer.optim_step(model_id, ADAM)
@@ -546,7 +551,7 @@ def test_a_step_that_would_make_the_weights_non_finite_is_rolled_back_and_such_w
     with torch.no_grad():
         next(iter(run.adapter.parameters())).view(-1)[0] = float("inf")
     for copy_out in (lambda: trainer.copy_state(model_id, True), lambda: trainer.snapshot(model_id)):
-        with pytest.raises(InvalidRequest, match="not finite; they cannot be saved or sampled"):
+        with pytest.raises(InvalidRequest, match="not finite; they cannot be saved, sampled or trained"):
             copy_out()
 
 
