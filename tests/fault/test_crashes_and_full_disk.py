@@ -1,4 +1,4 @@
-"""kill -9 during checkpoint overwrites, a second server on the same data, a full disk, SIGTERM mid-request."""
+"""kill -9 during checkpoint overwrites, a second server on the same journal, full disks, SIGTERM mid-request."""
 
 import os
 import random
@@ -217,6 +217,29 @@ def test_a_full_disk_fails_requests_clearly_ends_every_future_and_recovers_when_
             assert _pending_futures(server) == 0
             assert http.get("/api/v1/healthz").json() == {"status": "ok"}
         print(f"full disk: {answers}")
+    finally:
+        server.stop()
+
+
+def test_one_full_disk_holding_both_journal_and_checkpoints_fails_clearly_and_recovers(models_dir, small_disks):
+    disk = small_disks[0]
+    server = start_server(disk / "data", None, models_dir)  # the journal in the data directory, as by default
+    try:
+        with httpx.Client(base_url=server.url, headers=server.headers(), timeout=120) as http:
+            run = RawRun(http)
+            filler = _fill(disk)
+            both = "the disk of the checkpoints and the journal is full"
+            assert http.get("/api/v1/healthz").json() == {"status": "degraded", "detail": both}
+            answers = {"save_weights": _outcome(run, "/api/v1/save_weights", {"path": "full"}),
+                       "forward_backward": _outcome(run, "/api/v1/forward_backward"),
+                       "create_session": _status(http.post("/api/v1/create_session", json={}))}
+            assert answers["save_weights"].startswith(("failed: the server's disk is full", "507")), answers
+            for name, answer in answers.items():
+                assert answer in ("complete", "200") or "disk is full" in answer, (name, answer)
+            filler.unlink()
+            assert _outcome(run, "/api/v1/save_weights", {"path": "after"}) == "complete"
+            assert http.get("/api/v1/healthz").json() == {"status": "ok"}
+            assert 'status="500"' not in http.get("/metrics").text
     finally:
         server.stop()
 
