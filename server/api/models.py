@@ -85,5 +85,6 @@ async def get_server_capabilities(services: ServicesDep) -> GetServerCapabilitie
                             max_num_samples=limits.max_num_samples,
                             max_sampled_tokens_per_request=limits.max_sampled_tokens_per_request,
                             max_images_per_prompt=services.config.sampler.max_images_per_prompt,
-                            max_lora_rank=limits.max_lora_rank, max_request_bytes=limits.max_request_bytes))
+                            max_lora_rank=limits.max_lora_rank, max_request_bytes=limits.max_request_bytes,
+                            max_datums_per_request=limits.max_datums_per_request))
 

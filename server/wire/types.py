@@ -748,6 +748,7 @@ class ServerLimits(WireResponse):
     max_images_per_prompt: int
     max_lora_rank: int
     max_request_bytes: int
+    max_datums_per_request: int
 
 
 class GetServerCapabilitiesResponse(WireResponse):

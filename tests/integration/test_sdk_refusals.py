@@ -170,6 +170,7 @@ def test_sampling_limits_are_reported_and_a_request_over_one_is_refused_naming_i
         limits = http.get("/api/v1/get_server_capabilities").json()["limits"]
     assert (limits["max_num_samples"], limits["max_sample_tokens"]) == (256, 8192)  # the flags' defaults
     assert limits["max_sequence_length"] == 32768 and limits["max_images_per_prompt"] > 0
+    assert limits["max_datums_per_request"] == 4096
     sampler = tc.save_weights_and_get_sampling_client().result(timeout=NEXT_CALL_SECONDS)
     prompt = types.ModelInput.from_ints(data[0].model_input.to_ints()[:4])
     for num_samples, max_tokens, flag in [(limits["max_num_samples"] + 1, 2, "--max-num-samples"),
