@@ -208,8 +208,9 @@ class LimitsConfig:
     """A request's headers must arrive within this long of its first byte, else the connection is closed."""
     body_timeout_seconds: float = 30.0
     """A request's body may pause at most this long between two reads, else the connection is closed."""
-    max_connections_per_client: int = 1024
-    """Connections one client address may keep open (the SDK opens up to 1000 for concurrent requests)."""
+    max_connections_per_client: int = 4096
+    """Connections one client address may keep open (an SDK client opens up to 1000 for concurrent requests,
+    and one process may run several)."""
 
     def __post_init__(self):
         for name in ("session_timeout_seconds", "seq_gap_timeout_seconds", "max_lora_rank", "max_sample_tokens",
