@@ -1,6 +1,8 @@
 """`python -m server --base-model NAME [...]`: parse the flags, build the app, serve it.
 `python -m server keys create|list|revoke ...`: manage API keys (server/keys.py)."""
 
+import collections
+import functools
 import logging
 import os
 import socket
@@ -68,7 +70,10 @@ def main() -> None:
     from server.app import create_app
 
     app = create_app(config)
-    server = AnnouncingServer(uvicorn.Config(app, log_level="warning",
+    from server.connections import GuardedHttpProtocol
+
+    http = functools.partial(GuardedHttpProtocol, limits=config.limits, open_by_address=collections.Counter())
+    server = AnnouncingServer(uvicorn.Config(app, log_level="warning", http=http,
                                              timeout_graceful_shutdown=OPEN_CONNECTIONS_GRACE_SECONDS),
                               config, started)
     server.run(sockets=[sock])

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.requests import ClientDisconnect
 
 from server.api import (checkpoints, dashboard, futures, models, operations, rest, sampling, sessions, training,
                         weights)
@@ -207,6 +208,8 @@ def refusal_of(error: Exception, path: str) -> TinkerServerError:
     """What a client is told of anything its request raised (an error that tells it nothing is logged in full)."""
     if isinstance(error, TinkerServerError):
         return error
+    if isinstance(error, ClientDisconnect):  # it stalled (server/connections.py) or left; no one reads the answer
+        return InvalidRequest("the connection closed before the request's body arrived")
     if isinstance(error, (RequestValidationError, ValidationError)):
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors())
         return InvalidRequest(f"invalid request: {problems}")

@@ -198,15 +198,25 @@ class LimitsConfig:
     max_runs_per_tenant: int = 64
     """Training runs a tenant may keep in memory at once (runs of open sessions)."""
     max_stored_bytes_per_tenant: int = 100 << 30
-    """Bytes of checkpoint files a tenant may keep."""
+    """Bytes of checkpoint files and journal rows (sessions, runs, results) a tenant may keep."""
     seq_gap_timeout_seconds: float = 120.0
     """A run whose next seq_id has not arrived this long after it went idle fails the requests queued
     behind the gap (the SDK sends a call's chunks at once; a missing one was refused unreadable or lost)."""
+    max_datums_per_request: int = 4096
+    """Datums of one forward_backward request (the SDK sends 1024 at most, unless --fwdbwd-chunk-len says more)."""
+    header_timeout_seconds: float = 10.0
+    """A request's headers must arrive within this long of its first byte, else the connection is closed."""
+    body_timeout_seconds: float = 30.0
+    """A request's body may pause at most this long between two reads, else the connection is closed."""
+    max_connections_per_client: int = 4096
+    """Connections one client address may keep open (an SDK client opens up to 1000 for concurrent requests,
+    and one process may run several)."""
 
     def __post_init__(self):
         for name in ("session_timeout_seconds", "seq_gap_timeout_seconds", "max_lora_rank", "max_sample_tokens",
-                     "max_num_samples",
-                     "max_sampled_tokens_per_request", "max_runs_per_tenant", "max_stored_bytes_per_tenant"):
+                     "max_num_samples", "max_sampled_tokens_per_request", "max_runs_per_tenant",
+                     "max_stored_bytes_per_tenant", "max_datums_per_request", "header_timeout_seconds",
+                     "body_timeout_seconds", "max_connections_per_client"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -261,6 +271,10 @@ class ServerConfig:
         if self.auth == "none" and not is_loopback(self.host):
             raise ValueError(f"--auth none would let anyone who reaches {self.host} train and read every result; "
                              f"it is only allowed on a loopback --host (127.0.0.1, ::1, localhost)")
+        chunk = self.client.fwdbwd_max_chunk_len
+        if chunk is not None and chunk > self.limits.max_datums_per_request:
+            raise ValueError(f"--fwdbwd-chunk-len {chunk} is over --max-datums-per-request "
+                             f"{self.limits.max_datums_per_request}: clients would send requests the server refuses")
 
 
 def is_loopback(host: str) -> bool:
@@ -334,9 +348,17 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="training runs of open sessions a tenant may have at once")
     parser.add_argument("--max-stored-gb-per-tenant", type=float,
                         default=LimitsConfig.max_stored_bytes_per_tenant / (1 << 30),
-                        help="GiB of checkpoint files a tenant may keep")
+                        help="GiB of checkpoint files and journal rows (sessions, runs, results) a tenant may keep")
     parser.add_argument("--seq-gap-timeout", type=float, default=LimitsConfig.seq_gap_timeout_seconds,
                         help="seconds a run waits for a missing seq_id before failing the requests queued behind it")
+    parser.add_argument("--max-datums-per-request", type=int, default=LimitsConfig.max_datums_per_request,
+                        help="datums of one forward_backward request")
+    parser.add_argument("--header-timeout", type=float, default=LimitsConfig.header_timeout_seconds,
+                        help="seconds a request's headers may take to arrive before its connection is closed")
+    parser.add_argument("--body-timeout", type=float, default=LimitsConfig.body_timeout_seconds,
+                        help="seconds a request's body may pause between two reads before its connection is closed")
+    parser.add_argument("--max-connections-per-client", type=int, default=LimitsConfig.max_connections_per_client,
+                        help="connections one client address may keep open; one more is answered 503 and closed")
     parser.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_seconds,
                         help="seconds running requests get to finish on SIGTERM before they are failed")
     parser.add_argument("--debug", action="store_true",
@@ -417,7 +439,10 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                             max_sampled_tokens_per_request=args.max_sampled_tokens_per_request,
                             max_runs_per_tenant=args.max_runs_per_tenant,
                             max_stored_bytes_per_tenant=int(args.max_stored_gb_per_tenant * (1 << 30)),
-                            seq_gap_timeout_seconds=args.seq_gap_timeout),
+                            seq_gap_timeout_seconds=args.seq_gap_timeout,
+                            max_datums_per_request=args.max_datums_per_request,
+                            header_timeout_seconds=args.header_timeout, body_timeout_seconds=args.body_timeout,
+                            max_connections_per_client=args.max_connections_per_client),
         auth=args.auth, shutdown_timeout_seconds=args.shutdown_timeout, debug=args.debug,
         trainer=TrainerConfig(local_ranks=args.gpus, activation_checkpointing=args.activation_checkpointing,
                               max_tokens_per_microbatch=args.microbatch_tokens, compile=args.compile,

@@ -324,7 +324,8 @@ async def journal_refusal(request: Request, error: TinkerServerError) -> None:
         return
     services = services_of(request)
     if request_type == "ForwardBackward":
-        slot = read_forward_backward_slot(body, request.headers.get("content-encoding"))
+        inflated = getattr(request.state, "inflated", False)
+        slot = read_forward_backward_slot(body, None if inflated else request.headers.get("content-encoding"))
         if slot is not None and slot[2]:
             request_type = "Forward"
     else:
@@ -349,7 +350,7 @@ async def journal_refusal(request: Request, error: TinkerServerError) -> None:
 def _read_json_slot(body: bytes) -> tuple[str, int] | None:
     try:
         fields = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested thousands deep
         return None
     if not isinstance(fields, dict):
         return None
@@ -374,12 +375,15 @@ def check_run_quota(services: Services, owner: str) -> None:
 
 
 def check_storage_quota(services: Services, owner: str) -> None:
-    """A tenant keeps at most --max-stored-gb-per-tenant of checkpoint files."""
+    """A tenant keeps at most --max-stored-gb-per-tenant of checkpoint files and journal rows (sessions, runs,
+    results, recorded samples) together. Runs on a worker thread: it sums over the journal."""
     limit = services.config.limits.max_stored_bytes_per_tenant
-    stored = services.store.stored_checkpoint_bytes(owner)
-    if stored >= limit:
-        raise InvalidRequest(f"tenant {owner!r} stores {stored} bytes of checkpoints, at or over the limit of "
-                             f"{limit} (--max-stored-gb-per-tenant); delete checkpoints to save more")
+    checkpoints = services.store.stored_checkpoint_bytes(owner)
+    journal = services.store.tenant_data.journal_bytes(owner)
+    if checkpoints + journal >= limit:
+        raise InvalidRequest(f"tenant {owner!r} stores {checkpoints} bytes of checkpoints and {journal} of journal "
+                             f"(sessions, runs, results), at or over the limit of {limit} "
+                             f"(--max-stored-gb-per-tenant); delete checkpoints or sessions to store more")
 
 
 def check_sampled_tokens(services: Services, num_samples: int, max_tokens: int) -> None:

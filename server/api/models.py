@@ -1,5 +1,7 @@
 """Training models: create_model, get_info, and what the server can serve."""
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from server.api.deps import (
@@ -9,6 +11,7 @@ from server.api.deps import (
     check_lora_rank,
     check_optimizer,
     check_run_quota,
+    check_storage_quota,
     json_result,
     read_body,
     run_of,
@@ -45,6 +48,7 @@ async def create_model(request: Request, services: ServicesDep, owner: OwnerDep)
     check_optimizer(create.optimizer_config)
     check_lora_rank(services, create.lora_config.rank)
     check_run_quota(services, owner)
+    await asyncio.to_thread(check_storage_quota, services, owner)
     record = training_run_record(services, session_id=create.session_id, model_seq_id=create.model_seq_id,
                                  owner=owner, lora=create.lora_config, user_metadata=create.user_metadata)
     model_id = record.model_id
@@ -81,5 +85,6 @@ async def get_server_capabilities(services: ServicesDep) -> GetServerCapabilitie
                             max_num_samples=limits.max_num_samples,
                             max_sampled_tokens_per_request=limits.max_sampled_tokens_per_request,
                             max_images_per_prompt=services.config.sampler.max_images_per_prompt,
-                            max_lora_rank=limits.max_lora_rank, max_request_bytes=limits.max_request_bytes))
+                            max_lora_rank=limits.max_lora_rank, max_request_bytes=limits.max_request_bytes,
+                            max_datums_per_request=limits.max_datums_per_request))
 

@@ -6,6 +6,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.api.deps import ServicesDep, require_admin
+from server.store.db import has_no_room, sqlite_journal_file
 from server.wire.types import HealthResponse
 
 _SWAGGER_JS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"
@@ -16,8 +17,17 @@ router = APIRouter()
 
 
 @public_router.get("/api/v1/healthz")
-async def healthz() -> HealthResponse:
-    """Liveness: the app only serves once the model is loaded."""
+async def healthz(services: ServicesDep) -> HealthResponse:
+    """Liveness: the app only serves once the model is loaded; "degraded" while a disk it writes to is full (the
+    server stays up, and what needs the disk fails with 507 until space is freed)."""
+    journal = sqlite_journal_file(services.store.engine.url)
+    full = [what for what, directory in (("checkpoints", services.config.store.checkpoint_dir),
+                                         ("journal", journal.parent if journal else None))
+            if directory is not None and has_no_room(directory)]
+    if services.scheduler.num_unjournaled and "journal" not in full:
+        full.append("journal")
+    if full:
+        return HealthResponse(status="degraded", detail=f"the disk of the {' and the '.join(full)} is full")
     return HealthResponse()
 
 

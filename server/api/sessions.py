@@ -7,8 +7,8 @@ from functools import partial
 
 from fastapi import APIRouter, Query
 
-from server.api.deps import OwnerDep, Services, ServicesDep, session_of, string_map
-from server.errors import Gone
+from server.api.deps import OwnerDep, Services, ServicesDep, check_storage_quota, session_of, string_map
+from server.errors import Conflict, Gone
 from server.store.store import SessionQuery, SessionSearchHit
 from server.wire.lifecycle import (
     AssignSessionProjectRequest,
@@ -52,6 +52,7 @@ async def client_config(body: ClientConfigRequest, services: ServicesDep) -> Cli
 @router.post("/create_session")
 async def create_session(body: CreateSessionRequest, services: ServicesDep, owner: OwnerDep) -> CreateSessionResponse:
     """Open an SDK session."""
+    await asyncio.to_thread(check_storage_quota, services, owner)
     session_id = str(uuid.uuid4())
     services.store.create_session(session_id, tags=body.tags, user_metadata=string_map(body.user_metadata),
                                   sdk_version=body.sdk_version, display_name=body.display_name, owner=owner)
@@ -113,6 +114,29 @@ async def get_session(session_id: str, services: ServicesDep, owner: OwnerDep) -
     return GetSessionResponse(training_run_ids=services.store.list_training_run_ids(session_id),
                               sampler_ids=services.store.list_sampling_session_ids(session_id),
                               user_metadata=session.user_metadata or None, display_name=session.display_name)
+
+
+@router.delete("/sessions/{session_id}")
+async def delete_session(session_id: str, services: ServicesDep, owner: OwnerDep) -> dict:
+    """Delete a finished session with its runs, their results and curves, and its samplers (not an SDK call). A
+    session that still has checkpoints, or requests queued or running, is a 409 that says what to do first."""
+    session = session_of(services.store, session_id, owner)
+    if session.finished_at is None:
+        raise Conflict(f"session {session_id} is still open: finish it first (ServiceClient.close(), or "
+                       f"POST /api/v1/sessions/{session_id}/finish)")
+    run_ids = await asyncio.to_thread(services.store.list_training_run_ids, session_id)
+    busy = [model_id for model_id in run_ids
+            if services.metrics.queue_depth_of(model_id) or model_id in services.trainer.models]
+    if busy:
+        raise Conflict(f"run {busy[0]} of session {session_id} still has requests queued or running; try again "
+                       f"once they are done")
+    for model_id in run_ids:
+        checkpoints, _ = services.store.list_checkpoints(model_id=model_id, owner=owner, limit=1, offset=0)
+        if checkpoints:
+            raise Conflict(f"session {session_id} still has checkpoints (such as {checkpoints[0].tinker_path}): "
+                           f"delete them first (DELETE /api/v1/training_runs/{{run}}/checkpoints/{{id}})")
+    await asyncio.to_thread(services.store.delete_session, session_id)
+    return {}
 
 
 @router.put("/sessions/{session_id}/project")

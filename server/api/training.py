@@ -1,5 +1,7 @@
 """forward_backward (protobuf in, protobuf out; also `forward`) and optim_step."""
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from server.api.deps import (PROTOBUF, OwnerDep, ServicesDep, TrainingSubmission, check_loss_config, json_result,
@@ -11,7 +13,8 @@ from server.store.run_metrics import FORWARD_BACKWARD, OPTIM_STEP
 from server.training.curves import curve_metrics
 from server.training.losses import resolve_loss
 from server.training.operations import ForwardBackward, OptimStep
-from server.wire.proto import decode_forward_backward_request, encode_forward_backward_output
+from server.wire.proto import (decode_forward_backward_request, encode_forward_backward_output,
+                               inflate_forward_backward_body)
 from server.wire.types import AdamParams, OptimStepRequest, OptimStepResponse, UntypedAPIFuture
 
 router = APIRouter(prefix="/api/v1")
@@ -22,12 +25,20 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
     """Compute the loss on a batch and, unless forward_only, accumulate its gradients."""
     limits = services.config.limits
     body = await read_body(request, limits.max_request_bytes)
+    # Off the event loop: a large body takes a while to inflate and parse, and other connections must not wait.
+    # Journaled and hashed as decoded: the same request resent in another encoding is the same request.
+    body = request.state.body = await asyncio.to_thread(inflate_forward_backward_body, body,
+                                                        request.headers.get("content-encoding"))
+    request.state.inflated = True
     try:
-        fwdbwd = decode_forward_backward_request(body, request.headers.get("content-encoding"))
+        fwdbwd = await asyncio.to_thread(decode_forward_backward_request, body, None)
     except InvalidRequest:
         raise  # says what is wrong, with its own status (413 for a body that inflates past the limit)
     except ValueError as error:
         raise InvalidRequest(f"malformed forward_backward request: {error}") from None
+    if len(fwdbwd.data) > limits.max_datums_per_request:
+        raise InvalidRequest(f"forward_backward has {len(fwdbwd.data)} datums, over this server's limit of "
+                             f"{limits.max_datums_per_request} (--max-datums-per-request); send them in several calls")
     run = run_of(services.store, fwdbwd.model_id, owner)
 
     def prepare():

@@ -1,6 +1,7 @@
 """Checkpoints of training runs: save_weights, save_weights_for_sampler, save_weights_external, load_weights,
 weights_info."""
 
+import asyncio
 import logging
 import time
 from datetime import timedelta
@@ -203,6 +204,7 @@ async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep)
         check_base_model(services, load.base_model)
         check_optimizer(load.optimizer_config)
         check_run_quota(services, owner)
+        await asyncio.to_thread(check_storage_quota, services, owner)
         model_id, seq_id, create = model_id_for(load.session_id, load.model_seq_id), CREATION_SEQ_ID, True
 
         def respond(lora):

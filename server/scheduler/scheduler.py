@@ -547,6 +547,11 @@ class Scheduler:
             self._unjournaled[request_id] = outcome
             self.metrics.unjournaled.set(len(self._unjournaled))
 
+    @property
+    def num_unjournaled(self) -> int:
+        """Outcomes held in memory because the journal could not take them (its disk is full)."""
+        return len(self._unjournaled)
+
     def _flush_unjournaled(self) -> None:
         for request_id, outcome in list(self._unjournaled.items()):
             try:

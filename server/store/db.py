@@ -5,6 +5,7 @@ the tables beyond handing migrations/ to Alembic, which owns every schema change
 """
 
 import errno
+import os
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -65,6 +66,29 @@ def has_server_database(database_url: str) -> bool:
         return sa.inspect(engine).has_table("alembic_version")
     finally:
         engine.dispose()
+
+
+FULL_DISK_FREE_BYTES = 1 << 20
+"""A file system with less room than this is full (healthz says "degraded")."""
+
+
+def has_no_room(directory: Path) -> bool:
+    """Whether the file system that holds (or will hold) `directory` is full."""
+    while not directory.exists() and directory.parent != directory:
+        directory = directory.parent
+    try:
+        usage = os.statvfs(directory)
+    except OSError:
+        return False
+    return usage.f_bavail * usage.f_frsize < FULL_DISK_FREE_BYTES
+
+
+def sqlite_journal_file(url: sa.URL) -> Path | None:
+    """The real file of a SQLite journal (symbolic links resolved), whatever path reached it; None for a database
+    server or an in-memory database."""
+    if url.get_backend_name() != "sqlite" or url.database in (None, "", ":memory:"):
+        return None
+    return Path(url.database).resolve()
 
 
 def is_disk_full(error: BaseException) -> bool:

@@ -7,6 +7,7 @@ Knows nothing about HTTP, wire types or where checkpoint files come from.
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from typing import Any, Generic, Literal, TypeVar
@@ -20,6 +21,7 @@ from server.store.rows import (DEFAULT_PROJECT, ApiKeyRow, Base, CheckpointRow, 
                                SessionRow, TrainingRunRow)
 from server.store.run_metrics import RunMetrics
 from server.store.sampled_sequences import SampledSequences
+from server.store.tenant_data import TenantData
 
 FutureStatus = Literal["pending", "complete", "failed"]
 MAX_REMEMBERED_RECORDS = 4096
@@ -181,6 +183,8 @@ class Store:
         """Sequences sampled with record_stability_info (stable_reinforce); a module of its own."""
         self.run_metrics = RunMetrics(self.engine)
         """Each run's metrics per step (the dashboard's curves); a module of its own."""
+        self.tenant_data = TenantData(self.engine)
+        """Each tenant's journal bytes (in its storage quota); a module of its own, as is deleting a session."""
         self._sampling_sessions = _Remembered[SamplingSessionRecord]()
         """Sampling sessions read lately: they never change once written, and every sample request names one."""
         self._checkpoints = _Remembered[CheckpointRecord]()
@@ -575,6 +579,11 @@ class Store:
             self._sampling_sessions.put(sampling_session_id, record, era)
         return record
 
+    def delete_session(self, session_id: str) -> None:
+        """Delete a session with its runs and samplers (see TenantData.delete_session)."""
+        self.tenant_data.delete_session(session_id)
+        self._sampling_sessions.forget(where=lambda record: record.session_id == session_id)
+
     # API keys
 
     def add_api_key(self, key: ApiKeyRecord) -> None:
@@ -641,10 +650,13 @@ class _Remembered(Generic[RecordT]):
             while len(self._records) > MAX_REMEMBERED_RECORDS:
                 self._records.popitem(last=False)
 
-    def forget(self, key: str) -> None:
+    def forget(self, *keys: str, where: Callable[[RecordT], bool] | None = None) -> None:
+        """Forget the given keys, and every record that `where` holds for."""
         with self._lock:
             self._forgets += 1
-            self._records.pop(key, None)
+            matching = [key for key, record in self._records.items() if where(record)] if where is not None else []
+            for key in [*keys, *matching]:
+                self._records.pop(key, None)
 
 
 def _checkpoint_in_use() -> sa.ColumnElement[bool]:

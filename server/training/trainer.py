@@ -99,6 +99,45 @@ def _new_optimizer(adapter: LoraAdapter) -> torch.optim.AdamW:
                              fused=True)
 
 
+def _optimizer_tensors(optimizer: torch.optim.AdamW) -> list[torch.Tensor]:
+    """The weights and AdamW moments a step changes."""
+    tensors = []
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            tensors.append(parameter.data)
+            tensors.extend(optimizer.state.get(parameter, {}).values())
+    return tensors
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    # The largest magnitude is NaN or inf exactly when some element is; one reduction for all tensors.
+    return not tensors or math.isfinite(float(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)))
+
+
+def _copy_of_optimizer(optimizer: torch.optim.AdamW) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    return [(parameter.detach().clone(), {k: v.clone() for k, v in optimizer.state.get(parameter, {}).items()})
+            for group in optimizer.param_groups for parameter in group["params"]]
+
+
+def _restore_optimizer(optimizer: torch.optim.AdamW, copy: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> None:
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    with torch.no_grad():
+        for parameter, (weights, state) in zip(parameters, copy, strict=True):
+            parameter.copy_(weights)
+            if state:
+                optimizer.state[parameter] = state
+            else:
+                optimizer.state.pop(parameter, None)
+
+
+def _check_finite(adapter: LoraAdapter, whose: str) -> None:
+    """Non-finite weights are never saved, served or loaded (optim_step refuses to make them; a checkpoint
+    written before it did may hold them)."""
+    if not _all_finite(list(adapter.parameters())):
+        raise InvalidRequest(f"{whose} are not finite; they cannot be saved, sampled or trained. Load a checkpoint "
+                             f"saved before the run went bad")
+
+
 def build_trainer(config: ServerConfig, group: TrainingGroup) -> "Trainer":
     """Load the base model on this rank's device and shard it for training."""
     base = load_base_model(config.model, device=group.device)
@@ -347,8 +386,16 @@ class Trainer:
         for group in run.optimizer.param_groups:
             group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps,
                          weight_decay=params.weight_decay)
+        # A finite gradient can still give non-finite weights (an update past float range): keep what the
+        # step changes, to put it back rather than poison the run for good.
+        before = _copy_of_optimizer(run.optimizer)
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
+        if not _all_finite(_optimizer_tensors(run.optimizer)):
+            _restore_optimizer(run.optimizer, before)
+            raise InvalidRequest(f"this optim_step would have made the weights of {model_id} non-finite; it was not "
+                                 f"applied and the gradients were cleared: the weights and optimizer state are as they "
+                                 f"were (a smaller learning_rate, or grad_clip_norm, may help)")
         run.num_steps += 1
         return {"grad_norm:mean": grad_norm, "learning_rate:mean": params.learning_rate}
 
@@ -373,17 +420,21 @@ class Trainer:
     def copy_state(self, model_id: str, with_optimizer: bool) -> checkpoint_io.AdapterState:
         """The adapter (and the optimizer moments) in host memory, for a checkpoint written off this thread."""
         run = self.get(model_id)
+        _check_finite(run.adapter, f"the weights of {model_id}")
         return checkpoint_io.copy_state(run.adapter, run.optimizer if with_optimizer else None, run.lora_config,
                                         run.num_steps, self.base.name)
 
     def snapshot(self, model_id: str) -> LoraAdapter:
         """A frozen copy of the current adapter, for an ephemeral sampling session."""
-        return self.get(model_id).adapter.frozen_copy()
+        run = self.get(model_id)
+        _check_finite(run.adapter, f"the weights of {model_id}")
+        return run.adapter.frozen_copy()
 
     def load_state(self, model_id: str, directory, with_optimizer: bool) -> None:
         """Replace an existing run's weights (and optimizer moments) with a checkpoint's (on every rank)."""
         run = self.get(model_id)
         loaded = checkpoint_io.load_checkpoint(directory, self.device, with_optimizer)
+        _check_finite(loaded.adapter, "the checkpoint's weights")
         if loaded.lora_config.rank != run.lora_config.rank or loaded.adapter.lora_A.keys() != run.adapter.lora_A.keys():
             raise InvalidRequest(f"checkpoint has rank {loaded.lora_config.rank} and other layers than run "
                                  f"{model_id} (rank {run.lora_config.rank})")
@@ -393,6 +444,7 @@ class Trainer:
     def create_model_from_checkpoint(self, model_id: str, directory, with_optimizer: bool) -> LoraConfig:
         """Start a run from a checkpoint (create-via-load, on every rank); returns the LoRA config it carried."""
         loaded = checkpoint_io.load_checkpoint(directory, self.device, with_optimizer)
+        _check_finite(loaded.adapter, "the checkpoint's weights")
         self._lead("create_model_from_checkpoint", model_id, directory, with_optimizer)
         self._install(model_id, loaded.lora_config, loaded)
         return loaded.lora_config

@@ -11,7 +11,8 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AwareDatetime, Field, model_validator
 
-from server.wire.types import CheckpointName, Id, Int32, SeqId, TtlSeconds, WireRequest, WireResponse
+from server.wire.types import (MAX_LIST_LENGTH, MAX_METADATA_KEYS, CheckpointName, Id, Int32, Name, SeqId, TtlSeconds,
+                               WireRequest, WireResponse)
 
 # ---------------------------------------------------------------------------------------------
 # External weights, copies, TTLs and access tokens.
@@ -133,10 +134,10 @@ class SessionSearchCursor(WireResponse):
 
 
 class SessionSearchRequest(WireRequest):
-    session_id: str | None = None
-    project_ids: list[str] | None = None
-    user_metadata: dict[str, str] = Field(default_factory=dict)
-    display_name: str | None = Field(default=None, min_length=1)
+    session_id: Id | None = None
+    project_ids: list[Name] | None = Field(default=None, max_length=MAX_LIST_LENGTH)
+    user_metadata: dict[str, str] = Field(default_factory=dict, max_length=MAX_METADATA_KEYS)
+    display_name: Name | None = Field(default=None, min_length=1)
     owner: SearchOwner = Field(default_factory=OwnSearchOwner)
     statuses: list[StatusQuery] | None = Field(default=None, min_length=1)
     limit: int = Field(default=50, ge=1, le=200)

@@ -36,6 +36,8 @@ MAX_DECOMPRESSED_BYTES = 1 << 30
 MAX_ABS_VALUE = 1e6
 """Loss inputs (weights, advantages, sampler logprobs, clip thresholds) and loss_fn_config numbers
 beyond this magnitude are refused: no sensible loss needs them, and they poison a run for good."""
+MAX_LOSS_FN_INPUTS = 16
+"""loss_fn_inputs of one datum, and loss_fn_config keys: every loss takes a handful."""
 _ZSTD_SLICE_BYTES = 1024
 
 # Wire dtype -> how its bytes are read. int32 widens to int64 and bfloat16 to float32.
@@ -78,6 +80,8 @@ def decode_forward_backward_request(
         kind = value.WhichOneof("value")
         if kind is not None:
             loss_fn_config[key] = getattr(value, kind)
+    if len(loss_fn_config) > MAX_LOSS_FN_INPUTS:
+        raise InvalidRequest(f"loss_fn_config has {len(loss_fn_config)} keys, over the limit of {MAX_LOSS_FN_INPUTS}")
     for key, value in loss_fn_config.items():
         if isinstance(value, float) and not (math.isfinite(value) and abs(value) <= MAX_ABS_VALUE):
             raise InvalidRequest(f"loss_fn_config[{key!r}] is {value}: it must be a finite number of magnitude "
@@ -107,13 +111,20 @@ def read_forward_backward_slot(body: bytes, content_encoding: str | None) -> tup
     return message.model_id, message.seq_id, message.forward_only
 
 
-def _parse_forward_backward(body: bytes, content_encoding: str | None, max_decompressed_bytes: int
-                            ) -> pb.ForwardBackwardRequest:
+def inflate_forward_backward_body(body: bytes, content_encoding: str | None,
+                                  max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> bytes:
+    """The protobuf bytes of a forward_backward body, whatever its Content-Encoding (zstd or none)."""
     encoding = (content_encoding or "identity").strip().lower()
     if encoding == "zstd":
-        body = _zstd_decompress(body, max_decompressed_bytes)
-    elif encoding != "identity":
+        return _zstd_decompress(body, max_decompressed_bytes)
+    if encoding != "identity":
         raise InvalidRequest(f"unsupported Content-Encoding {content_encoding!r} (use zstd or none)")
+    return body
+
+
+def _parse_forward_backward(body: bytes, content_encoding: str | None, max_decompressed_bytes: int
+                            ) -> pb.ForwardBackwardRequest:
+    body = inflate_forward_backward_body(body, content_encoding, max_decompressed_bytes)
     message = pb.ForwardBackwardRequest()
     try:
         message.ParseFromString(body)
@@ -154,6 +165,9 @@ def _zstd_decompress(body: bytes, max_bytes: int) -> bytes:
 
 
 def _decode_datum(message: pb.Datum, where: str) -> Datum:
+    if len(message.loss_fn_inputs) > MAX_LOSS_FN_INPUTS:
+        raise InvalidRequest(f"{where} has {len(message.loss_fn_inputs)} loss_fn_inputs, over the limit of "
+                             f"{MAX_LOSS_FN_INPUTS}")
     chunks = [_decode_chunk(c, f"{where}.model_input[{j}]") for j, c in enumerate(message.model_input)]
     # proto3 cannot tell an empty list from an absent one; the SDK sends both lists or neither.
     spans = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 from dataclasses import dataclass
 from datetime import datetime
@@ -53,6 +54,32 @@ Int32 = Annotated[int, Field(ge=0, le=MAX_INT32)]
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]
 TtlSeconds = Annotated[int, Field(ge=MIN_TTL_SECONDS, le=MAX_TTL_SECONDS)]
 """A checkpoint's time to live: 1 hour to 10 years, as the SDK documents (None: it never expires)."""
+
+# Free-form text the journal keeps (names, tags, metadata), bounded so that no key holder can fill the
+# disk or the answers of sessions/search through it; each refusal is a 400 that names the field.
+MAX_NAME_LENGTH = 256
+"""Display names, project ids, tags, checkpoint names, SDK versions."""
+MAX_LIST_LENGTH = 64
+"""Tags of a session, project ids of a search, age recipients."""
+MAX_METADATA_KEYS = 64
+MAX_METADATA_BYTES = 16 * 1024
+"""user_metadata as JSON (sessions, runs, checkpoints)."""
+Name = Annotated[str, Field(max_length=MAX_NAME_LENGTH)]
+
+
+def _bounded_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if len(value) > MAX_METADATA_KEYS:
+        raise ValueError(f"user_metadata has {len(value)} keys, over the limit of {MAX_METADATA_KEYS}")
+    size = len(json.dumps(value, default=str))
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"user_metadata is {size} bytes as JSON, over the limit of {MAX_METADATA_BYTES}")
+    return value
+
+
+UserMetadata = Annotated[dict[str, Any] | None, AfterValidator(_bounded_metadata)]
+StringMetadata = Annotated[dict[str, str] | None, AfterValidator(_bounded_metadata)]
 
 
 def _reject_nul(value: Any) -> Any:
@@ -275,7 +302,7 @@ class ForwardBackwardRequest(BaseModel):
 
     model_id: Id
     seq_id: SeqId
-    loss_fn: str
+    loss_fn: Name
     loss_fn_config: dict[str, float | str] = Field(default_factory=dict)
     forward_only: bool = False
     data: list[Datum]
@@ -311,7 +338,8 @@ class AdamParams(WireRequest):
     learning_rate: float = Field(default=1e-4, ge=0, le=MAX_LEARNING_RATE)
     beta1: float = Field(default=0.9, ge=0, lt=1)
     beta2: float = Field(default=0.95, ge=0, lt=1)
-    eps: float = Field(default=1e-12, ge=0, le=1)
+    eps: float = Field(default=1e-12, gt=0, le=1)
+    """Above 0: AdamW divides by sqrt(v) + eps, and v is 0 wherever a gradient was."""
     weight_decay: float = Field(default=0.0, ge=0, le=10)
     """Decoupled (AdamW) weight decay."""
     grad_clip_norm: float = Field(default=0.0, ge=0, le=1e12)
@@ -396,11 +424,11 @@ class ClientConfigRequest(WireRequest):
 
 class CreateSessionRequest(WireRequest):
     type: Literal["create_session"] = "create_session"
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] | None = None
-    sdk_version: str | None = None
-    project_id: str | None = None
-    display_name: str | None = None
+    tags: list[Name] = Field(default_factory=list, max_length=MAX_LIST_LENGTH)
+    user_metadata: UserMetadata = None
+    sdk_version: Name | None = None
+    project_id: Name | None = None
+    display_name: Name | None = None
 
 
 class SessionHeartbeatRequest(WireRequest):
@@ -433,7 +461,7 @@ class CreateModelRequest(WireRequest):
     base_model: Id
     lora_config: LoraConfig = Field(default_factory=LoraConfig)
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata = None
 
     @field_validator("lora_config", "optimizer_config", mode="before")
     @classmethod
@@ -460,6 +488,8 @@ def _check_checkpoint_name(name: str) -> str:
     # A tinker path is tinker://{run}/{segment}/{name}; the SDK parser needs exactly three parts.
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"checkpoint name {name!r} must be non-empty and contain no '/'")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ValueError(f"checkpoint name of {len(name)} characters is over the limit of {MAX_NAME_LENGTH}")
     return name
 
 
@@ -474,7 +504,7 @@ class SaveWeightsRequest(WireRequest):
     seq_id: SeqId | None = None
     ttl_seconds: TtlSeconds | None = None
     overwrite: bool = False
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StringMetadata = None
 
 
 class SaveWeightsForSamplerRequest(WireRequest):
@@ -487,7 +517,7 @@ class SaveWeightsForSamplerRequest(WireRequest):
     kind: Literal["snapshot", "inflight"] = "snapshot"
     seq_id: SeqId | None = None
     ttl_seconds: TtlSeconds | None = None
-    user_metadata: dict[str, str] | None = None
+    user_metadata: StringMetadata = None
 
     @model_validator(mode="after")
     def _named_or_ephemeral(self) -> SaveWeightsForSamplerRequest:
@@ -510,7 +540,7 @@ class LoadWeightsRequest(WireRequest):
     path: Id
     optimizer: bool = False
     base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata = None
     optimizer_config: OptimizerConfig | None = None
     weights_access_token: str | None = None
 
@@ -718,6 +748,7 @@ class ServerLimits(WireResponse):
     max_images_per_prompt: int
     max_lora_rank: int
     max_request_bytes: int
+    max_datums_per_request: int
 
 
 class GetServerCapabilitiesResponse(WireResponse):
@@ -788,4 +819,6 @@ class GetSessionResponse(WireResponse):
 
 
 class HealthResponse(WireResponse):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "degraded"] = "ok"
+    detail: str | None = None
+    """What is degraded (a full disk: requests that need it fail with 507 until space is freed)."""

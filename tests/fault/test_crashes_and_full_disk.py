@@ -1,4 +1,4 @@
-"""kill -9 during checkpoint overwrites, a second server on the same data, a full disk, SIGTERM mid-request."""
+"""kill -9 during checkpoint overwrites, a second server on the same journal, full disks, SIGTERM mid-request."""
 
 import os
 import random
@@ -18,7 +18,6 @@ from tinker import types
 
 from support.live_server import BASE_MODEL, REPO_ROOT, LiveServer, free_port, start_server
 from support.raw_run import RawRun
-from support.sdk import SENTENCES, supervised_datum
 
 KILLS = 3
 
@@ -96,17 +95,33 @@ def _listed_directories(server: LiveServer) -> set[str]:
         return {row[0] for row in journal.execute("SELECT directory FROM checkpoints")}
 
 
-def test_a_second_server_on_the_same_data_directory_refuses_to_start_and_the_first_goes_on(fault_server):
-    # A port of its own: the port is taken before the data directory is looked at.
-    second = subprocess.run([sys.executable, "-m", "server", "--base-model", BASE_MODEL, "--port", str(free_port()),
-                             "--data-dir", str(fault_server.data_dir)], cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=300, env=dict(os.environ, TINKER_TELEMETRY="0"))
-    assert second.returncode != 0
-    refusal = f"another server (pid {fault_server.process.pid}) already uses the data directory"
-    assert refusal in second.stdout + second.stderr
-    tc = fault_server.service_client().create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
-    data = [supervised_datum(tc.get_tokenizer(), SENTENCES[1])]
-    assert tc.forward_backward(data, "cross_entropy").result().metrics["loss:sum"] > 0
+def test_a_second_server_on_the_same_journal_by_another_path_refuses_to_start_and_fails_nothing_of_the_first(
+        fault_server, tmp_path):
+    """The same data directory is refused as plainly (tests/unit/store); here the harder case: another data
+    directory, and --database-url naming the first one's journal through a symbolic link."""
+    journal = _journal_path(fault_server)
+    with sqlite3.connect(journal) as connection:  # a request the first server holds in its journal, pending
+        connection.execute("INSERT INTO futures (request_id, request_type, owner, payload_hash, status, created_at) "
+                           "VALUES ('held-by-the-first', 'ForwardBackward', 'default', '', 'pending', "
+                           "'2026-01-01 00:00:00')")
+    (tmp_path / "link").symlink_to(fault_server.data_dir, target_is_directory=True)
+    try:
+        # A port of its own: the port is taken before the data directory is looked at.
+        second = subprocess.run([sys.executable, "-m", "server", "--base-model", BASE_MODEL, "--port",
+                                 str(free_port()), "--data-dir", str(tmp_path / "second"), "--database-url",
+                                 f"sqlite:///{tmp_path}/link/server.db"], cwd=REPO_ROOT, capture_output=True,
+                                text=True, timeout=300, env=dict(os.environ, TINKER_TELEMETRY="0"))
+        assert second.returncode == 3, second.stdout + second.stderr  # a start-up refused for what was given
+        assert f"another server (pid {fault_server.process.pid}) already uses the database" in second.stderr
+        with sqlite3.connect(journal) as connection:
+            assert connection.execute("SELECT status FROM futures WHERE request_id = 'held-by-the-first'"
+                                      ).fetchone() == ("pending",)
+    finally:
+        with sqlite3.connect(journal) as connection:
+            connection.execute("DELETE FROM futures WHERE request_id = 'held-by-the-first'")
+    with httpx.Client(base_url=fault_server.url, headers=fault_server.headers(), timeout=120) as http:
+        run = RawRun(http)  # the first server goes on
+        assert isinstance(run.result(run.forward(run.forward_body(run.next_seq_id())).json()["request_id"]), bytes)
 
 
 @pytest.fixture
@@ -158,6 +173,8 @@ def test_a_full_disk_fails_requests_clearly_ends_every_future_and_recovers_when_
             answers["checkpoints full: forward_backward"] = _outcome(run, "/api/v1/forward_backward")
             assert answers["checkpoints full: save_weights"].startswith("failed: the server's disk is full"), answers
             assert answers["checkpoints full: forward_backward"] == "complete", answers
+            assert http.get("/api/v1/healthz").json() == {"status": "degraded",
+                                                          "detail": "the disk of the checkpoints is full"}
             filler.unlink()
             # The journal's disk fills.
             filler = _fill(journal_disk)
@@ -177,6 +194,7 @@ def test_a_full_disk_fails_requests_clearly_ends_every_future_and_recovers_when_
             for name, answer in answers.items():
                 assert answer in ("complete", "200") or "disk is full" in answer, (name, answer)
                 assert str(data_disk) not in answer and str(journal_disk) not in answer, (name, answer)
+            assert http.get("/api/v1/healthz").json()["status"] == "degraded"
             filler.unlink()  # the operator frees space
             # The run goes on; nothing half-saved is listed and everything listed loads.
             assert _outcome(run, "/api/v1/forward_backward") == "complete"
@@ -197,7 +215,31 @@ def test_a_full_disk_fails_requests_clearly_ends_every_future_and_recovers_when_
             while _pending_futures(server) and time.monotonic() < deadline:
                 time.sleep(0.5)
             assert _pending_futures(server) == 0
+            assert http.get("/api/v1/healthz").json() == {"status": "ok"}
         print(f"full disk: {answers}")
+    finally:
+        server.stop()
+
+
+def test_one_full_disk_holding_both_journal_and_checkpoints_fails_clearly_and_recovers(models_dir, small_disks):
+    disk = small_disks[0]
+    server = start_server(disk / "data", None, models_dir)  # the journal in the data directory, as by default
+    try:
+        with httpx.Client(base_url=server.url, headers=server.headers(), timeout=120) as http:
+            run = RawRun(http)
+            filler = _fill(disk)
+            both = "the disk of the checkpoints and the journal is full"
+            assert http.get("/api/v1/healthz").json() == {"status": "degraded", "detail": both}
+            answers = {"save_weights": _outcome(run, "/api/v1/save_weights", {"path": "full"}),
+                       "forward_backward": _outcome(run, "/api/v1/forward_backward"),
+                       "create_session": _status(http.post("/api/v1/create_session", json={}))}
+            assert answers["save_weights"].startswith(("failed: the server's disk is full", "507")), answers
+            for name, answer in answers.items():
+                assert answer in ("complete", "200") or "disk is full" in answer, (name, answer)
+            filler.unlink()
+            assert _outcome(run, "/api/v1/save_weights", {"path": "after"}) == "complete"
+            assert http.get("/api/v1/healthz").json() == {"status": "ok"}
+            assert 'status="500"' not in http.get("/metrics").text
     finally:
         server.stop()
 

@@ -82,7 +82,19 @@ def malformed_json_requests(run: RawRun) -> list[tuple[str, str, dict]]:
                                                                     headers={"Content-Type": "application/json"})),
         ("/api/v1/create_session", "not JSON", dict(content=b"\xff\xfe{",
                                                     headers={"Content-Type": "application/json"})),
+        *[(route, "JSON nested 2,000 deep", dict(content=_deep_json_slot(),
+                                                 headers={"Content-Type": "application/json"}))
+          for route in SEQUENCED_JSON_ROUTES],
     ]
+
+
+SEQUENCED_JSON_ROUTES = ("/api/v1/optim_step", "/api/v1/save_weights", "/api/v1/save_weights_for_sampler",
+                         "/api/v1/load_weights", "/api/v1/save_weights_external")
+
+
+def _deep_json_slot() -> bytes:
+    """A readable model_id and seq_id beside a value nested past every JSON parser's depth limit."""
+    return b'{"model_id": "another-run", "seq_id": 1, "path": ' + b"[" * 2000 + b"]" * 2000 + b"}"
 
 
 def test_malformed_inputs_get_4xx_keep_no_memory_and_wedge_no_run(fault_server: LiveServer):

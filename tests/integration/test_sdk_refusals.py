@@ -41,6 +41,7 @@ def sdk_refusals(tc: tinker.TrainingClient, data: list[types.Datum]):
         ("learning_rate=-1", lambda: tc.optim_step(types.AdamParams(learning_rate=-1)), "learning_rate"),
         ("learning_rate=1e30", lambda: tc.optim_step(types.AdamParams(learning_rate=1e30)), "learning_rate"),
         ("beta2=1.0", lambda: tc.optim_step(types.AdamParams(beta2=1.0)), "beta2"),
+        ("eps=0", lambda: tc.optim_step(types.AdamParams(eps=0.0)), "eps"),
         ('save_state("a/b")', lambda: tc.save_state("a/b"), "'a/b'"),
         ('save_state("..")', lambda: tc.save_state(".."), "'..'"),
         ('save_weights_for_sampler("x/y")', lambda: tc.save_weights_for_sampler("x/y"), "'x/y'"),
@@ -169,6 +170,7 @@ def test_sampling_limits_are_reported_and_a_request_over_one_is_refused_naming_i
         limits = http.get("/api/v1/get_server_capabilities").json()["limits"]
     assert (limits["max_num_samples"], limits["max_sample_tokens"]) == (256, 8192)  # the flags' defaults
     assert limits["max_sequence_length"] == 32768 and limits["max_images_per_prompt"] > 0
+    assert limits["max_datums_per_request"] == 4096
     sampler = tc.save_weights_and_get_sampling_client().result(timeout=NEXT_CALL_SECONDS)
     prompt = types.ModelInput.from_ints(data[0].model_input.to_ints()[:4])
     for num_samples, max_tokens, flag in [(limits["max_num_samples"] + 1, 2, "--max-num-samples"),

@@ -6,6 +6,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import zstandard
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
@@ -81,7 +82,8 @@ def test_a_repeated_seq_id_is_not_applied_twice(server, service_client, tokenize
     reference.optim_step(ADAM).result()
     expected = forward_logprobs(reference, data)
 
-    # Same run by raw HTTP, every request sent twice with the same seq_id (a lost-response retry).
+    # Same run by raw HTTP, every request sent twice with the same seq_id (a lost-response retry); the
+    # forward_backward the second time zstd-compressed, as the SDK may send it: the same request.
     tc = service_client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=4).result()
     headers = server.headers()
     fwdbwd = forward_backward_request_to_proto(types.ForwardBackwardRequest(
@@ -90,9 +92,11 @@ def test_a_repeated_seq_id_is_not_applied_twice(server, service_client, tokenize
     optim = {"model_id": tc.model_id, "seq_id": 2, "adam_params": ADAM.model_dump(), "type": "optim_step"}
     with httpx.Client(base_url=server.url, headers=headers, timeout=60) as http:
         ids = []
-        for _ in range(2):
-            ids.append(http.post("/api/v1/forward_backward", content=fwdbwd,
-                                 headers={"Content-Type": "application/x-protobuf"}).json()["request_id"])
+        for encoding in (None, "zstd"):
+            content = zstandard.ZstdCompressor().compress(fwdbwd) if encoding else fwdbwd
+            ids.append(http.post("/api/v1/forward_backward", content=content, headers={
+                "Content-Type": "application/x-protobuf", **({"Content-Encoding": encoding} if encoding else {})
+            }).json()["request_id"])
             ids.append(http.post("/api/v1/optim_step", json=optim).json()["request_id"])
         assert ids[0] == ids[2] and ids[1] == ids[3]
         save = {"model_id": tc.model_id, "seq_id": 3, "path": "deduplicated", "type": "save_weights_for_sampler"}

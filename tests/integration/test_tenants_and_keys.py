@@ -56,6 +56,7 @@ def every_route(owned: dict, own_session: str) -> list[tuple[str, str, dict]]:
         ("POST", f"/api/v1/sessions/{a['session']}/finish", dict(json={"reason": {"type": "success"}})),
         ("GET", "/api/v1/sessions", {}),
         ("GET", f"/api/v1/sessions/{a['session']}", {}),
+        ("DELETE", f"/api/v1/sessions/{a['session']}", {}),
         ("POST", "/api/v1/create_model", dict(json={"session_id": a["session"], "model_seq_id": 50,
                                                     "base_model": BASE_MODEL, "lora_config": {"rank": 4}})),
         ("POST", "/api/v1/get_info", dict(json={"model_id": a["model"]})),

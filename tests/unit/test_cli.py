@@ -38,6 +38,10 @@ CLI_OPTIONS = {
     "--max-runs-per-tenant",
     "--max-stored-gb-per-tenant",
     "--seq-gap-timeout",
+    "--max-datums-per-request",
+    "--header-timeout",
+    "--body-timeout",
+    "--max-connections-per-client",
     "--shutdown-timeout",
     "--debug",
     "--gpus",
@@ -89,11 +93,16 @@ def test_keys_commands_find_the_servers_database_like_the_server(tmp_path, monke
 def test_limits_and_lifecycle_flags_reach_the_config():
     config = parse_config(["--base-model", "m", "--max-lora-rank", "16", "--max-sampled-tokens-per-request", "99",
                            "--max-runs-per-tenant", "3", "--max-stored-gb-per-tenant", "0.5", "--seq-gap-timeout",
-                           "7", "--shutdown-timeout", "9"])
+                           "7", "--shutdown-timeout", "9", "--max-datums-per-request", "64", "--header-timeout", "2",
+                           "--body-timeout", "3", "--max-connections-per-client", "5"])
     limits = config.limits
     assert (limits.max_lora_rank, limits.max_sampled_tokens_per_request, limits.max_runs_per_tenant) == (16, 99, 3)
     assert (limits.max_stored_bytes_per_tenant, limits.seq_gap_timeout_seconds) == (1 << 29, 7)
     assert (config.auth, config.shutdown_timeout_seconds) == ("keys", 9)
+    assert (limits.max_datums_per_request, limits.header_timeout_seconds, limits.body_timeout_seconds,
+            limits.max_connections_per_client) == (64, 2, 3, 5)
+    with pytest.raises(ValueError, match="--fwdbwd-chunk-len 128 is over --max-datums-per-request 64"):
+        parse_config(["--base-model", "m", "--max-datums-per-request", "64", "--fwdbwd-chunk-len", "128"])
 
 
 def test_the_training_pass_budget_and_run_limit_reach_the_trainer_config():

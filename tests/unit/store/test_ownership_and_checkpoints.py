@@ -29,6 +29,27 @@ def test_a_second_holder_of_a_data_directory_or_database_is_refused_until_the_fi
         second_store.close()
 
 
+def test_a_journal_reached_by_another_path_or_url_is_held_whatever_data_directory_names_it(tmp_path, database_url):
+    first_dir = tmp_path / "first"
+    first_dir.mkdir()
+    (tmp_path / "link").symlink_to(first_dir, target_is_directory=True)
+    if database_url.startswith("sqlite"):
+        # The first server's own journal (in its data directory), named through a symbolic link.
+        first_url, second_url = f"sqlite:///{first_dir}/server.db", f"sqlite:///{tmp_path}/link/server.db"
+    else:  # the same database by another spelling of its URL
+        first_url, second_url = database_url, f"{database_url}?application_name=second"
+    first_store, second_store = Store(first_url), Store(second_url)
+    try:
+        first = Ownership(first_dir, first_store.engine)
+        with pytest.raises(AlreadyServed, match="already uses the database"):
+            Ownership(tmp_path / "second", second_store.engine)
+        first.release()
+        Ownership(tmp_path / "second", second_store.engine).release()
+    finally:
+        first_store.close()
+        second_store.close()
+
+
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     data_dir = tmp_path / "data"
     database_url = f"sqlite:///{tmp_path}/journal.db"

@@ -367,6 +367,34 @@ def test_a_tenant_counts_its_runs_in_open_sessions_and_its_stored_checkpoint_byt
     assert store.stored_checkpoint_bytes("bob") == 0
 
 
+def test_a_tenants_journal_bytes_grow_with_its_rows_and_a_deleted_session_takes_everything_under_it(store: Store):
+    usage = store.tenant_data
+    assert usage.journal_bytes("alice") == 0
+    store.create_session("s1", tags=["t"], user_metadata={"k": "v" * 5000}, sdk_version="0.38.0",
+                         display_name="x" * 1000, owner="alice")
+    session_bytes = usage.journal_bytes("alice")
+    assert session_bytes > 6000
+    make_session(store, "s2", owner="bob")
+    store.create_training_run(make_run("s1", 0))
+    store.create_training_run(make_run("s2", 0, owner="bob"))
+    store.create_sampling_session(SamplingSessionRecord(sampling_session_id="s1:sample:0", session_id="s1",
+                                                        owner="alice", base_model="b", model_path=None))
+    insert_future(store, "f1", model_id="s1:train:0", seq_id=1, owner="alice")
+    store.complete_future("f1", result=b"r" * 10_000, content_type="application/x-protobuf")
+    insert_future(store, "f2", model_id="s1:sample:0", seq_id=1, owner="alice")
+    insert_future(store, "f3", model_id="s2:train:0", seq_id=1, owner="bob")
+    assert usage.journal_bytes("alice") > session_bytes + 10_000
+    bob = usage.journal_bytes("bob")
+    assert store.get_sampling_session("s1:sample:0") is not None  # now in the store's memory too
+
+    store.delete_session("s1")
+
+    assert usage.journal_bytes("alice") == 0 and usage.journal_bytes("bob") == bob
+    assert store.get_session("s1") is None and store.get_training_run("s1:train:0") is None
+    assert store.get_sampling_session("s1:sample:0") is None and store.get_future("f1") is None
+    assert store.get_future("f3") is not None and store.get_training_run("s2:train:0") is not None
+
+
 def test_seq_ids_past_32_bits_fit_the_journal(store: Store):
     # Sampling clones number their requests clone_id * 1e9 + k.
     record = insert_future(store, "clone", model_id="s:sample:0", seq_id=999_999_999 * 10**9 + 7, owner="alice")

@@ -521,6 +521,40 @@ def test_a_non_finite_gradient_is_refused_and_leaves_weights_and_optimizer_state
     assert np.isfinite(trainer.optim_step(model_id, ADAM)["grad_norm:mean"])  # the run goes on
 
 
+def test_a_step_that_would_make_the_weights_non_finite_is_rolled_back_and_such_weights_are_never_copied_out(
+        trainer, tmp_path):
+    model_id = create_run(trainer)
+    run = trainer.models[model_id]
+    poisoned = trainer.copy_state(model_id, with_optimizer=False)  # as an older server may have saved it
+    next(iter(poisoned.adapter.parameters())).data.view(-1)[0] = float("nan")
+    checkpoint_io.save_state(tmp_path, poisoned)
+    with pytest.raises(InvalidRequest, match="the checkpoint's weights are not finite"):
+        trainer.load_state(model_id, tmp_path, with_optimizer=False)
+    trainer.forward_backward(model_id, sft_batch(15, [6], trainer.base.vocab_size), "cross_entropy", None,
+                             forward_only=False)
+    trainer.optim_step(model_id, ADAM)
+    before = parameters(trainer, model_id)
+    moments = [tensor.clone() for state in run.optimizer.state.values() for tensor in state.values()]
+    trainer.forward_backward(model_id, sft_batch(16, [6], trainer.base.vocab_size), "cross_entropy", None,
+                             forward_only=False)
+    gradient = next(t for t in run.adapter.parameters() if t.grad is not None).grad
+    gradient.view(-1)[0] = 0.0
+    # eps = 0 slipped past the wire's check: 0 / (sqrt(0) + 0) is NaN where the gradient and moments are 0.
+    unsafe = AdamParams.model_construct(**{**ADAM.model_dump(), "beta1": 0.0, "beta2": 0.0, "eps": 0.0})
+
+    with pytest.raises(InvalidRequest, match="non-finite; it was not applied"):
+        trainer.optim_step(model_id, unsafe)
+
+    assert_all_close(parameters(trainer, model_id), before, rtol=0, atol=0)
+    assert_all_close([t for state in run.optimizer.state.values() for t in state.values()], moments, rtol=0, atol=0)
+    assert run.num_steps == 1 and all(p.grad is None for p in run.adapter.parameters())
+    with torch.no_grad():
+        next(iter(run.adapter.parameters())).view(-1)[0] = float("inf")
+    for copy_out in (lambda: trainer.copy_state(model_id, True), lambda: trainer.snapshot(model_id)):
+        with pytest.raises(InvalidRequest, match="not finite; they cannot be saved, sampled or trained"):
+            copy_out()
+
+
 def test_grad_clip_norm_clips_the_global_norm_and_the_reported_norm_is_the_pre_clip_one(trainer):
     model_id = create_run(trainer)
     start = parameters(trainer, model_id)
