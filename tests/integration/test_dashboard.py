@@ -19,7 +19,8 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-back
 NUM_STEPS = 3
 NUM_SAMPLES = 3
 LONG_NAME = "/home/someone/experiments/" + "vlm-classifier-caltech101-" * 12 + "run"  # the cookbook's log path
-# Playwright's waits (5 s for expect, 30 s for actions by default) are hang guards here, not margins: a loaded machine may take longer.
+# Playwright's waits (5 s for expect, 30 s for actions by default) are hang guards here, not margins:
+# a loaded machine may take longer.
 expect.set_options(timeout=60_000)
 
 

@@ -460,6 +460,42 @@ def test_a_pass_of_several_runs_gives_each_run_exactly_what_it_gets_alone(traine
                     assert (a - e).norm() <= 3e-5 * e.norm()
 
 
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")
+def test_a_pass_of_several_runs_gives_each_run_the_logprobs_and_gradients_of_peft_with_its_adapter(trainer, tmp_path):
+    # A reference outside the server's LoRA code: each run's adapter, saved, loaded into PEFT on the HF
+    # model, every datum run alone through it; the pass stacks the three adapters per row.
+    model_ids = [create_run(trainer, config, perturb_seed=110 + i) for i, (config, _) in enumerate(PASS_RUNS)]
+    batches = [sft_batch(120 + i, lengths, trainer.base.vocab_size) for i, lengths in enumerate([[9, 3], [12], [5, 7]])]
+    results = trainer.forward_backward_pass([ForwardBackward(model_id, batch, "cross_entropy", None, False)
+                                             for model_id, batch in zip(model_ids, batches)])
+    peft_model = AutoModelForCausalLM.from_pretrained(trainer.base.path)
+    for model_id in model_ids:
+        save(trainer, model_id, tmp_path / model_id, with_optimizer=False)
+        if isinstance(peft_model, PeftModel):
+            peft_model.load_adapter(tmp_path / model_id, adapter_name=model_id, is_trainable=True)
+        else:
+            peft_model = PeftModel.from_pretrained(peft_model, tmp_path / model_id, adapter_name=model_id,
+                                                   is_trainable=True)
+    for model_id, batch, result in zip(model_ids, batches, results, strict=True):
+        peft_model.set_adapter(model_id)
+        loss = torch.zeros(())
+        for example, output in zip(batch, result.outputs, strict=True):
+            logits_NV = peft_model(input_ids=torch.tensor([example.input_ids])).logits[0]
+            logprobs_N = torch.log_softmax(logits_NV.float(), dim=-1).gather(
+                -1, example.loss_fn_inputs["target_tokens"][:, None])[:, 0]
+            np.testing.assert_allclose(output["logprobs"], logprobs_N.detach().numpy(), rtol=0, atol=1e-5)
+            loss = loss - (logprobs_N * example.loss_fn_inputs["weights"]).sum()
+        adapter = trainer.models[model_id].adapter
+        names = sorted(adapter.lora_A)
+        peft_parameters = dict(peft_model.named_parameters())
+        expected = torch.autograd.grad(loss, [peft_parameters[f"base_model.model.{name}.lora_{part}.{model_id}.weight"]
+                                              for name in names for part in "AB"])
+        for actual, e in zip([t.grad for name in names for t in (adapter.lora_A[name], adapter.lora_B[name])],
+                             expected, strict=True):
+            assert (actual - e).norm() <= 3e-5 * e.norm()
+
+
 def test_compiled_blocks_give_the_eager_pass_of_several_runs_and_compile_once_for_every_block(
         model_cache_dir, trainer, recompiles):
     # What --compile does on a GPU (torch.compile of each decoder block and of the unembedding chunks), here
