@@ -27,12 +27,14 @@ def main() -> None:
     started = time.perf_counter()
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     start_seconds = time.perf_counter() - started
-    adapters = [LoRARequest(f"run-{index}", index + 1, path) for index, path in enumerate(spec["adapters"])]
+    # Each round's adapters are new (saved again by the server), with ids of their own: vLLM loads them anew.
+    adapters = [[LoRARequest(f"round-{round_index}-run-{run}", round_index * len(paths) + run + 1, path)
+                 for run, path in enumerate(paths)] for round_index, paths in enumerate(spec["adapters"])]
     images = {path: Image.open(path).convert("RGB") for path in spec["images"]}
     results = {}
     for workload, rounds in spec["workloads"].items():
         results[workload] = []
-        for requests in rounds:
+        for round_index, requests in enumerate(rounds):
             prompts, params, loras = [], [], []
             for request in requests:
                 prompt = {"prompt_token_ids": request["token_ids"]}
@@ -44,7 +46,7 @@ def main() -> None:
                                              temperature=1.0, seed=request["seed"], ignore_eos=True, logprobs=0,
                                              prompt_logprobs=0 if request["prompt_logprobs"] else None,
                                              detokenize=False))
-                loras.append(adapters[request["run"]])
+                loras.append(adapters[round_index][request["run"]])
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
             results[workload].append({"seconds": time.perf_counter() - start,

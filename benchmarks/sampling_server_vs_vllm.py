@@ -9,17 +9,19 @@ server) with the very flags the server gives its vLLM; (b) `python -m server --s
 by the tinker SDK; (c) in between, with `--sides engine`: vLLM's OpenAI server started as the server
 starts it and driven by the server's own VLLMEngine in this process, with no HTTP front, SDK or
 scheduler (sampling only: with LoRA the server scores on its embedded engine). (c)/(a) is what vLLM's
-API server and the client cost, (b)/(c) what the rest of the server costs. Same model (Qwen3-VL-shaped, random weights, written by train_throughput.py), same
-adapters (`--runs` training runs with Tinker's default LoRA config, rank 32 with lm_head, saved by the
-server and loaded by path by both), same prompts (text, and text with one image), same sampling
-parameters. Each round (an RL step) every run samples every prompt, 4 or 8 samples per request, all
-in flight together; completions ignore EOS, so both sides generate exactly the same number of
-tokens. A second workload scores each prompt plus a continuation with every adapter
-(compute_logprobs): the server sends those to its embedded engine (vLLM's prompt logprobs are
+API server and the client cost, (b)/(c) what the rest of the server costs. Same model (Qwen3-VL-shaped,
+random weights, written by train_throughput.py), same adapters (`--runs` training runs with Tinker's default LoRA
+config, rank 32 with lm_head, saved by the server and loaded by path by both), same prompts (text, and text
+with one image), same sampling parameters. Each round is an RL step: fresh prompts and images (no cache
+serves them), every run's adapter saved again under a new name (both sides load it anew), and every run
+samples every prompt, 4 or 8 samples per request, all in flight together; completions ignore EOS, so
+both sides generate exactly the same number of tokens. A second workload scores each prompt plus a
+continuation with every adapter (compute_logprobs): the server sends those to its embedded engine (vLLM's prompt logprobs are
 wrong with lm_head LoRA, server/sampling/vllm.py), raw vLLM computes them itself, wrongly but at
 vLLM's speed: the ratio is what that choice costs. Prints seconds per round, tokens (or requests)
-per second per side and their ratio (b)/(a) (the goal for sampling: within 10 %), and the peak
-memory in use (GPU: every process's, read from outside; CPU: RSS of the process trees).
+per second per side and their ratio (b)/(a) (the goal for sampling: within 10 %) with its spread over
+the rounds (the ratio of each round's rates: median, lowest, highest), and the peak memory in use (GPU:
+every process's, read from outside; CPU: RSS of the process trees).
 """
 
 import argparse
@@ -55,7 +57,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--runs", type=int, default=8, help="training runs (adapters) sampling at once")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per run per round, half of them with an image")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after one untimed round)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one untimed round); at least 5 "
+                        "for a figure to report")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--prompt-tokens", type=int, default=256, help="text tokens per prompt")
     parser.add_argument("--scored-tokens", type=int, default=256, help="continuation tokens of each scoring request")
@@ -74,9 +77,10 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def build_prompts(args, model_dir: Path, vision_ids: tuple[int, int, int]) -> list[dict]:
-    """Random text ids (never a special token), half the prompts with one photo-like JPEG after 32 of them."""
-    rng = np.random.default_rng(0)
+def build_prompts(args, model_dir: Path, vision_ids: tuple[int, int, int], round_index: int) -> list[dict]:
+    """One round's prompts, new each round: random text ids (never a special token), half the prompts with
+    one photo-like JPEG of their own after 32 of them."""
+    rng = np.random.default_rng(round_index)
     vocab = SHAPES[args.shape]["text"]["vocab_size"]
     image_tokens = ImageProcessorSpec.from_model_dir(model_dir).num_tokens(args.image_size, args.image_size)
     vision_start, image_pad, vision_end = vision_ids
@@ -86,8 +90,8 @@ def build_prompts(args, model_dir: Path, vision_ids: tuple[int, int, int]) -> li
         if index % 2 == 0:
             prompts.append({"before": text, "image": None, "after": [], "image_tokens": 0})
             continue
-        path = args.work_dir / f"image-{index}.jpg"
-        path.write_bytes(smooth_image(args.image_size, seed=index))
+        path = args.work_dir / f"image-{round_index}-{index}.jpg"
+        path.write_bytes(smooth_image(args.image_size, seed=round_index * args.prompts + index))
         prompts.append({"before": text[:32] + [vision_start], "image": str(path), "image_tokens": image_tokens,
                         "after": [vision_end] + text[32:]})
     for prompt in prompts:  # the collapsed ids vLLM takes: one pad per image
@@ -107,8 +111,10 @@ def requests_of_round(args, prompts: list[dict], round_index: int, workload: str
             for run in range(args.runs) for index, prompt in enumerate(prompts)]
 
 
-def run_server(args, model_dir: Path, server_flags: list[str], prompts: list[dict]) -> tuple[dict, list[str]]:
-    """(b): the workload through `python -m server` and the SDK; returns the timings and the adapters' directories."""
+def run_server(args, model_dir: Path, server_flags: list[str],
+               prompts_by_round: list[list[dict]]) -> tuple[dict, list[list[str]]]:
+    """(b): the workload through `python -m server` and the SDK; returns the timings and, per round, the
+    adapters' directories."""
     import tinker
     from tinker import types
 
@@ -117,28 +123,34 @@ def run_server(args, model_dir: Path, server_flags: list[str], prompts: list[dic
     server = start_server(data_dir, None, None, *server_flags, base_model=base_model, startup_seconds=1800)
     try:
         service = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
+        trainings = [service.create_lora_training_client(base_model=base_model, rank=RANK, seed=run).result()
+                     for run in range(args.runs)]
+        # Each round's adapters saved anew, as an RL step saves them: new paths that vLLM has not loaded.
         samplers, directories = [], []
-        for run in range(args.runs):
-            tc = service.create_lora_training_client(base_model=base_model, rank=RANK, seed=run).result()
-            path = tc.save_weights_for_sampler("bench").result().path
-            run_id, _, name = path.removeprefix("tinker://").split("/")
-            saved = data_dir / "checkpoints" / run_id / "sampler_weights" / name  # holds one version directory
-            directories.append(str(next(saved.glob("*/adapter_config.json")).parent))
-            samplers.append(service.create_sampling_client(model_path=path).result())
-        inputs = []
-        for prompt in prompts:
+        for round_index in range(args.rounds + 1):
+            samplers.append([])
+            directories.append([])
+            for tc in trainings:
+                path = tc.save_weights_for_sampler(f"bench-{round_index}").result().path
+                run_id, _, name = path.removeprefix("tinker://").split("/")
+                saved = data_dir / "checkpoints" / run_id / "sampler_weights" / name  # holds one version directory
+                directories[-1].append(str(next(saved.glob("*/adapter_config.json")).parent))
+                samplers[-1].append(service.create_sampling_client(model_path=path).result())
+
+        def chunks_of(prompt: dict) -> list:
             chunks = [types.EncodedTextChunk(tokens=prompt["before"])]
             if prompt["image"]:
                 chunks += [types.ImageChunk(data=Path(prompt["image"]).read_bytes(), format="jpeg",
                                             expected_tokens=prompt["image_tokens"]),
                            types.EncodedTextChunk(tokens=prompt["after"])]
-            inputs.append(chunks)
+            return chunks
 
-        def send(request: dict):
-            chunks = inputs[request["prompt"]]
-            sampler = samplers[request["run"]]
+        def send(request: dict, round_index: int):
+            prompt = prompts_by_round[round_index][request["prompt"]]
+            chunks = chunks_of(prompt)
+            sampler = samplers[round_index][request["run"]]
             if request["prompt_logprobs"]:
-                scored = chunks + [types.EncodedTextChunk(tokens=prompts[request["prompt"]]["continuation"])]
+                scored = chunks + [types.EncodedTextChunk(tokens=prompt["continuation"])]
                 return sampler.compute_logprobs(types.ModelInput(chunks=scored))
             return sampler.sample(types.ModelInput(chunks=chunks), num_samples=request["num_samples"],
                                   sampling_params=types.SamplingParams(max_tokens=request["max_tokens"],
@@ -150,7 +162,8 @@ def run_server(args, model_dir: Path, server_flags: list[str], prompts: list[dic
                 rounds = []
                 for round_index in range(args.rounds + 1):
                     start = time.perf_counter()
-                    futures = [send(request) for request in requests_of_round(args, prompts, round_index, workload)]
+                    requests = requests_of_round(args, prompts_by_round[round_index], round_index, workload)
+                    futures = [send(request, round_index) for request in requests]
                     outputs = [future.result() for future in futures]
                     tokens = 0 if workload == SCORING else sum(len(s.tokens) for out in outputs for s in out.sequences)
                     rounds.append({"seconds": time.perf_counter() - start, "tokens": tokens})
@@ -161,10 +174,13 @@ def run_server(args, model_dir: Path, server_flags: list[str], prompts: list[dic
         server.stop(timeout=120)
 
 
-def run_raw(args, vllm_args: list[str], environment: dict, prompts: list[dict], adapters: list[str]) -> dict:
+def run_raw(args, vllm_args: list[str], environment: dict, prompts_by_round: list[list[dict]],
+            adapters: list[list[str]]) -> dict:
     """(a): the same rounds through vLLM's offline API, in a process of its own (it frees the memory)."""
-    spec = {"vllm_args": vllm_args, "adapters": adapters, "images": [p["image"] for p in prompts if p["image"]],
-            "workloads": {workload: [requests_of_round(args, prompts, r, workload) for r in range(args.rounds + 1)]
+    spec = {"vllm_args": vllm_args, "adapters": adapters,
+            "images": [p["image"] for prompts in prompts_by_round for p in prompts if p["image"]],
+            "workloads": {workload: [requests_of_round(args, prompts, r, workload)
+                                     for r, prompts in enumerate(prompts_by_round)]
                           for workload in args.workloads.split(",")}}
     spec_path, out_path = args.work_dir / "raw-spec.json", args.work_dir / "raw-out.json"
     spec_path.write_text(json.dumps(spec))
@@ -177,7 +193,7 @@ def run_raw(args, vllm_args: list[str], environment: dict, prompts: list[dict], 
     return {"workloads": {name: rounds[1:] for name, rounds in out["workloads"].items()}, "memory": memory.peak}
 
 
-def run_engine(args, vllm_config, served, prompts: list[dict], adapters: list[str]) -> dict:
+def run_engine(args, vllm_config, served, prompts_by_round: list[list[dict]], adapters: list[list[str]]) -> dict:
     """(c): the sampling rounds through vLLM's OpenAI server and the server's VLLMEngine, nothing else."""
     from server.config import ImageConfig
     from server.rendering.chunks import RenderedInput
@@ -188,10 +204,11 @@ def run_engine(args, vllm_config, served, prompts: list[dict], adapters: list[st
 
     preparer = ImagePreparer(ImageProcessorSpec.from_model_dir(served.directory), ImageConfig())
     image_pad = json.loads((served.directory / "config.json").read_text())["image_token_id"]
-    rendered = [RenderedInput(token_ids=p["token_ids"], image_token_id=image_pad,
-                              images=[preparer.prepare(Path(p["image"]).read_bytes(), "bench")] if p["image"] else [])
-                for p in prompts]
-    refs = [AdapterRef(name=f"run-{run}", directory=Path(directory)) for run, directory in enumerate(adapters)]
+    rendered = [[RenderedInput(token_ids=p["token_ids"], image_token_id=image_pad,
+                               images=[preparer.prepare(Path(p["image"]).read_bytes(), "bench")] if p["image"] else [])
+                 for p in prompts] for prompts in prompts_by_round]
+    refs = [[AdapterRef(name=f"round-{round_index}-run-{run}", directory=Path(directory))
+             for run, directory in enumerate(directories)] for round_index, directories in enumerate(adapters)]
     process = VLLMProcess(vllm_config, served, log_path=args.work_dir / "engine-vllm.log")
     rounds = []
     with PeakMemory(args.device, lambda: process_tree(process.pid or 0)) as memory:
@@ -199,11 +216,12 @@ def run_engine(args, vllm_config, served, prompts: list[dict], adapters: list[st
             process.wait_until_ready()
             engine = VLLMEngine(process)
             for round_index in range(args.rounds + 1):
-                requests = [SamplingRequest(prompt=rendered[r["prompt"]], adapter=refs[r["run"]],
+                requests = [SamplingRequest(prompt=rendered[round_index][r["prompt"]],
+                                            adapter=refs[round_index][r["run"]],
                                             num_samples=r["num_samples"],
                                             options=SamplingOptions(max_tokens=r["max_tokens"], temperature=1.0,
                                                                     seed=r["seed"]))
-                            for r in requests_of_round(args, prompts, round_index, SAMPLING)]
+                            for r in requests_of_round(args, prompts_by_round[round_index], round_index, SAMPLING)]
                 start = time.perf_counter()
                 with ThreadPoolExecutor(len(requests)) as pool:
                     outputs = list(pool.map(engine.sample, requests))
@@ -235,11 +253,11 @@ def main() -> None:
                          max_images_per_prompt=config.sampler.max_images_per_prompt)
     vllm_args = vllm_command(vllm_config, served, 0, needs_scale_out_flag(vllm_config))[3:]  # after "python -m <module>"
 
-    prompts = build_prompts(args, model_dir, vision_ids)
+    prompts_by_round = [build_prompts(args, model_dir, vision_ids, r) for r in range(args.rounds + 1)]
     sides = args.sides.split(",")
     paths = {side: args.work_dir / f"{side}-result.json" for side in ("raw", "engine", "server")}
     if "server" in sides:
-        server_result, adapters = run_server(args, model_dir, server_flags, prompts)
+        server_result, adapters = run_server(args, model_dir, server_flags, prompts_by_round)
         paths["server"].write_text(json.dumps({"result": server_result, "adapters": adapters}))
     if {"raw", "engine"} & set(sides):
         if not paths["server"].exists():
@@ -247,9 +265,9 @@ def main() -> None:
                              f"first (same --work-dir, {args.work_dir})")
         adapters = json.loads(paths["server"].read_text())["adapters"]
     if "engine" in sides:
-        paths["engine"].write_text(json.dumps(run_engine(args, vllm_config, served, prompts, adapters)))
+        paths["engine"].write_text(json.dumps(run_engine(args, vllm_config, served, prompts_by_round, adapters)))
     if "raw" in sides:
-        result = run_raw(args, vllm_args, vllm_environment(vllm_config), prompts, adapters)
+        result = run_raw(args, vllm_args, vllm_environment(vllm_config), prompts_by_round, adapters)
         paths["raw"].write_text(json.dumps(result))
     if not (paths["server"].exists() and paths["raw"].exists()):
         print(f"kept in {args.work_dir}; run the other side with --sides")
@@ -258,7 +276,7 @@ def main() -> None:
     results["server"] = results["server"]["result"]
 
     rows, ratios = [], {}
-    requests = len(requests_of_round(args, prompts, 0, SAMPLING))
+    requests = len(requests_of_round(args, prompts_by_round[0], 0, SAMPLING))
     names = {"raw": "raw vLLM (offline API)", "engine": "vLLM's server + the server's VLLMEngine",
              "server": "through the server (SDK)"}
     for workload in args.workloads.split(","):
@@ -268,12 +286,17 @@ def main() -> None:
             rounds = results[side]["workloads"][workload]
             seconds = sum(r["seconds"] for r in rounds)
             rate = (sum(r["tokens"] for r in rounds) if workload == SAMPLING else requests * len(rounds)) / seconds
+            round_rates = [(r["tokens"] if workload == SAMPLING else requests) / r["seconds"] for r in rounds]
             rows.append({"workload": workload, "path": name, "seconds_per_round": [r["seconds"] for r in rounds],
                          "rate": rate, "peak_memory_gib": results[side]["memory"]})
             if side == "raw":
-                raw_rate = rate
+                raw_rate, raw_round_rates = rate, round_rates
             else:
-                ratios[f"{workload}: {name} / raw vLLM"] = rate / raw_rate
+                # Round i of each side had the same prompts and adapters: their ratio, round by round.
+                per_round = [ours / raw for ours, raw in zip(round_rates, raw_round_rates)]
+                ratios[f"{workload}: {name} / raw vLLM"] = {
+                    "ratio": rate / raw_rate, "median": float(np.median(per_round)), "lowest": min(per_round),
+                    "highest": max(per_round), "rounds": len(per_round)}
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
                                          "ratios": ratios}, indent=2))
@@ -289,7 +312,10 @@ def main() -> None:
         print(f"| {row['workload']} | {row['path']} | {', '.join(f'{s:.2f}' for s in row['seconds_per_round'])} | "
               f"{row['rate']:.1f} {unit} | {row['peak_memory_gib']:.1f} |")
     for name, ratio in ratios.items():
-        print(f"{name} = {ratio:.3f}")
+        print(f"{name} = {ratio['ratio']:.3f} (round by round: median {ratio['median']:.3f}, "
+              f"{ratio['lowest']:.3f}-{ratio['highest']:.3f} over {ratio['rounds']} rounds)")
+    if args.rounds < 5:
+        print(f"only {args.rounds} timed rounds: a trial, not a figure to report (at least 5)")
 
 
 if __name__ == "__main__":

@@ -2,24 +2,29 @@
 
 Each check calls one method (or one option of it) as a user would and verifies the answer; a method's
 `_async` twin is called too, through an event loop, and verified the same way. Later checks use what
-earlier ones made (a run, its checkpoints, samplers); when that is missing they fail saying so. What
+earlier ones made (a run, its checkpoints, samplers); when that is missing they fail saying so. A pass
+whose method sent no request (the SDK answered it alone) is marked client-only. What
 the scenario creates on the server (runs, checkpoints) is deleted at the end, the session closed.
 """
 
 import asyncio
+import dataclasses
 import inspect
 import urllib.request
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import httpx
 import tinker
 import torch
 from tinker import types
 from tinker.lib.api_future_impl import QueueState
 from tinker.lib.public_interfaces.rest_client import RestClient
+from tinker.lib.sdk_method import SDK_METHOD_HEADER
 
 from client_compat.conformance.outcomes import CLIENTS, Outcome, classify
 
@@ -89,7 +94,7 @@ class Conformance:
         return first
 
     def run(self) -> list[Outcome]:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _recording_sdk_methods() as sent:
             warnings.simplefilter("ignore")  # deprecated and experimental methods are exactly what we call
             self._bootstrap()
             self._training_calls()
@@ -97,8 +102,19 @@ class Conformance:
             self._service_calls()
             self._rest_calls()
             self._finish()
+        self._mark_client_only(sent)
         self._report_unchecked()
         return self.outcomes
+
+    def _mark_client_only(self, sent: set[str]) -> None:
+        """Mark the passing methods that never sent a request: their pass says nothing about the server.
+        Only methods the SDK attributes its requests to can be told (not static methods or properties)."""
+        reached = {(client, method) for sender, _, method in (name.partition(".") for name in sent)
+                   for client in CLIENTS if client in sender}  # BackcompatTrainingClientFuture: TrainingClient
+        for index, outcome in enumerate(self.outcomes):
+            attributed = inspect.isfunction(inspect.getattr_static(_CLASSES[outcome.client], outcome.method, None))
+            if outcome.status == "pass" and attributed and (outcome.client, outcome.method) not in reached:
+                self.outcomes[index] = dataclasses.replace(outcome, client_only=True)
 
     # -- scenario
 
@@ -436,6 +452,25 @@ class Conformance:
             for name, _ in inspect.getmembers(_CLASSES[client]):
                 if not name.startswith("_") and (client, name) not in checked:
                     self.outcomes.append(Outcome(client, name, "unchecked", "this checker has no check for it"))
+
+
+@contextmanager
+def _recording_sdk_methods() -> Iterator[set[str]]:
+    """The `x-sdk-method` header of every request the SDK sends meanwhile: the public method that sent it,
+    as the SDK itself attributes its requests (its background loops send none)."""
+    sent: set[str] = set()
+    send = httpx.AsyncClient.send
+
+    async def recording_send(client: httpx.AsyncClient, request: httpx.Request, **kwargs) -> httpx.Response:
+        if method := request.headers.get(SDK_METHOD_HEADER):
+            sent.add(method)
+        return await send(client, request, **kwargs)
+
+    httpx.AsyncClient.send = recording_send
+    try:
+        yield sent
+    finally:
+        httpx.AsyncClient.send = send
 
 
 def _custom_loss(data: list[types.Datum], logprobs_list: list[torch.Tensor]):

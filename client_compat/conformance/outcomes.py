@@ -15,6 +15,7 @@ CLIENTS = ("ServiceClient", "TrainingClient", "SamplingClient", "RestClient")
 _REFUSAL_WORDS = ("not supported", "unsupported", "not implemented")
 # FastAPI's body for a path or method the app does not serve (another server may say it otherwise).
 _NO_ROUTE = {404: "Not Found", 405: "Method Not Allowed"}
+_CLIENT_ONLY = "client-only: the SDK answered without a request"
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class Outcome:
     """The method's name, with the option it exercises in brackets where one method has several rows."""
     status: Status
     detail: str = ""
+    client_only: bool = False
+    """The SDK answered it without a request (a pass that says nothing about the server)."""
 
     @property
     def method(self) -> str:
@@ -57,19 +60,24 @@ def render_text(outcomes: list[Outcome]) -> str:
     """An aligned table for a terminal: one line per check."""
     width = max(len(f"{o.client}.{o.call}") for o in outcomes)
     lines = [f"{'call'.ljust(width)}  {'status':<11}  detail", "-" * (width + 30)]
-    lines += [f"{f'{o.client}.{o.call}'.ljust(width)}  {o.status:<11}  {o.detail}" for o in outcomes]
+    lines += [f"{f'{o.client}.{o.call}'.ljust(width)}  {o.status:<11}  {o.detail or _CLIENT_ONLY * o.client_only}"
+              for o in outcomes]
     return "\n".join(lines)
 
 
 def render_markdown(outcomes: list[Outcome]) -> str:
-    """Two tables for a README: what passes, per client, then every other row with its reason."""
-    lines = ["| SDK class | methods passing | calls that pass |", "|---|---|---|"]
+    """Two tables for a README: what passes, per client (marking what the SDK answers without a request),
+    then every other row with its reason."""
+    lines = ["| SDK class | methods passing | calls that pass (* client-only: answered by the SDK, no request) |",
+             "|---|---|---|"]
     for client in CLIENTS:
         rows = [o for o in outcomes if o.client == client]
         methods = [o for o in rows if "[" not in o.call]
-        passing = [o.call for o in rows if o.status == "pass"]
+        passing = [f"`{o.call}`" + "*" * o.client_only for o in rows if o.status == "pass"]
         num_passing = sum(o.status == "pass" for o in methods)
-        lines.append(f"| `{client}` | {num_passing} of {len(methods)} | {', '.join(f'`{c}`' for c in passing)} |")
+        num_client_only = sum(o.client_only for o in methods)
+        lines.append(f"| `{client}` | {num_passing} of {len(methods)} ({num_client_only} client-only) | "
+                     f"{', '.join(passing)} |")
     others = [o for o in outcomes if o.status != "pass"]
     lines += ["", "| call | status | reason |", "|---|---|---|"]
     lines += [f"| `{o.client}.{o.call}` | {o.status} | {o.detail.replace('|', '/')} |" for o in others]

@@ -5,7 +5,7 @@ scans, upscaled): the prompt is an image and "What digit is this?", the weighted
 digit. Accuracy is measured as the recipe measures it: greedy sampling from a
 save_weights_and_get_sampling_client() snapshot, exact match of the parsed answer on a held-out
 split never trained on. Writes metrics.jsonl (train NLL, held-out NLL via compute_logprobs,
-accuracy per eval) and a PNG plot to --log-dir.
+accuracy and the share of answers that are one digit per eval) and a PNG plot to --log-dir.
 
     python tests/e2e/digits_classifier.py --base-url http://127.0.0.1:8000 --log-dir /tmp/digits
 """
@@ -85,17 +85,19 @@ def mean_nll(logprobs_list, data) -> float:
 
 
 def evaluate(sampler, renderer, test_images, test_labels, nll_data) -> dict:
-    """Greedy accuracy on the whole held-out split, and held-out NLL via compute_logprobs."""
+    """Greedy accuracy on the whole held-out split, the share of answers that are one digit, and held-out NLL via
+    compute_logprobs."""
     futures = [sampler.sample(types.ModelInput(chunks=renderer.prompt(image)), num_samples=1,
                               sampling_params=types.SamplingParams(max_tokens=4, temperature=0.0,
                                                                    stop=renderer.tokenizer.encode("<|im_end|>")))
                for image in test_images]
     answers = [renderer.parse(f.result().sequences[0].tokens) for f in futures]
     accuracy = float(np.mean([answer == str(label) for answer, label in zip(answers, test_labels)]))
+    answered = float(np.mean([len(answer) == 1 and answer.isdigit() for answer in answers]))
     scored = [sampler.compute_logprobs(d.model_input.append_int(int(d.loss_fn_inputs["target_tokens"].tolist()[-1])))
               for d in nll_data]
     held_out_nll = mean_nll([f.result()[1:] for f in scored], nll_data)
-    return {"accuracy": accuracy, "held_out_nll": held_out_nll}
+    return {"accuracy": accuracy, "answered": answered, "held_out_nll": held_out_nll}
 
 
 def plot(records: list[dict], path: Path) -> None:

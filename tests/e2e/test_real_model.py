@@ -70,7 +70,8 @@ def test_chat_sl_on_real_conversations_lowers_the_held_out_nll(server, workdir):
 
 def run_math_rl(server, workdir: Path, name: str, learning_rate: float) -> list[dict]:
     log = workdir / "runs" / name
-    # stable_reinforce, the recipe's default loss, is not served yet: the CLI's loss_fn picks another.
+    # importance_sampling, not the recipe's default stable_reinforce (served, and run by the integration
+    # tests' math_rl): the gains measured below are for this loss.
     run_recipe(server, workdir, "math_rl.train", f"model_name={MODEL}", f"renderer_name={RENDERER}",
                "env=arithmetic", f"log_path={log}", "groups_per_batch=8", "group_size=4",
                f"learning_rate={learning_rate}", "lora_rank=8", "max_steps=3", "save_every=0",
@@ -129,5 +130,9 @@ def test_the_vlm_around_smollm2_trains_on_digit_images_through_the_sdk(models_di
     rows = read_jsonl(log_dir / "metrics.jsonl")
     assert_all_finite(rows)
     evals = [row for row in rows if "accuracy" in row]
-    assert [row["step"] for row in evals] == [0, 6] and all(0 <= row["accuracy"] <= 1 for row in evals)
+    assert [row["step"] for row in evals] == [0, 6]
+    # Untrained it answers no digit; after six steps it answers one digit every time, some of them right
+    # (measured: none answered, then all; accuracy 0 -> 0.086 of 35, chance being 0.1).
+    assert evals[0]["answered"] < 0.5 and evals[1]["answered"] >= 0.9, evals
+    assert evals[1]["accuracy"] > evals[0]["accuracy"], evals
     assert evals[0]["held_out_nll"] > 4 and evals[1]["held_out_nll"] < 2.0, evals

@@ -123,8 +123,10 @@ def test_malformed_inputs_get_4xx_keep_no_memory_and_wedge_no_run(fault_server: 
         # The run still trains.
         assert isinstance(run.result(run.forward(run.forward_body(run.next_seq_id())).json()["request_id"]), bytes)
     print(f"malformed inputs: answers {statuses}, server RSS after each round (MiB): {rss_after_round}")
-    # Round 1 fills the caches and the allocator's pools; later rounds must not grow (the bomb alone
-    # inflates to 1 GiB before it is refused).
+    # Round 1 fills the caches and the allocator's pools; later rounds must not grow (measured: +3 MiB over
+    # rounds 2 and 3). What the 60 MiB bound catches: a refused body kept whole or in part (the bomb inflates
+    # to 1 GiB before it is refused), i.e. over 2 MiB kept per request (14 a round). What it cannot: a leak of
+    # KiBs per request, which only thousands of requests show (benchmarks/server_memory.py measures that).
     assert rss_after_round[-1] - rss_after_round[0] < 60, rss_after_round
     assert _pending_futures(fault_server) == 0
 

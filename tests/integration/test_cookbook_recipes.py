@@ -205,7 +205,7 @@ def test_vlm_classifier_trains_on_caltech101_and_its_eval_cli_scores_the_checkpo
     experiments = vision_workdir / "runs" / "vlm_classifier"
     run_recipe(vision_server, vision_workdir, "vlm_classifier.train", f"experiment_dir={experiments}",
                       "dataset=caltech101", f"model_name={VISION_MODEL}", f"renderer_name={VISION_RENDERER}",
-                      "batch_size=4", "num_epochs=2", "learning_rate=1e-3", "lora_rank=8", "save_every=4",
+                      "batch_size=4", "num_epochs=2", "learning_rate=1e-2", "lora_rank=8", "save_every=4",
                       "eval_every=4", "n_eval=8", "max_tokens=16", "behavior_if_log_dir_exists=delete",
                       f"base_url={vision_server.url}")
     (log,) = experiments.iterdir()  # the recipe names the run directory itself
@@ -213,11 +213,14 @@ def test_vlm_classifier_trains_on_caltech101_and_its_eval_cli_scores_the_checkpo
     assert_all_finite(rows)
     nll = [row["train_mean_nll"] for row in rows if "train_mean_nll" in row]
     assert len(nll) == 8 and nll[-1] < nll[0], nll  # 16 images in batches of 4, two epochs
-    evals = [row for row in rows if "accuracy" in row]
-    assert evals and all(0.0 <= row["accuracy"] <= 1.0 and "test/nll" in row for row in evals)
+    # The recipe's own evaluators at steps 0 and 4: the held-out NLL falls (measured: 6.70 -> 2.93). Their
+    # accuracy stays 0 at this size (8 steps do not teach a tiny random model to name a class), so it is
+    # not asserted here (the digits tests show a VLM's accuracy rising).
+    held_out = [row["test/nll"] for row in rows if "accuracy" in row]
+    assert len(held_out) == 2 and held_out[1] < 0.6 * held_out[0], held_out
 
     final = read_jsonl(log / "checkpoints.jsonl")[-1]["sampler_path"]
     output = run_recipe(vision_server, vision_workdir, "vlm_classifier.eval", "dataset=caltech101",
                                f"model_path={final}", "n_eval=8", "max_tokens=16", f"base_url={vision_server.url}")
     metrics = ast.literal_eval(output.split("Metrics = ", 1)[1].splitlines()[0])
-    assert 0.0 <= metrics["accuracy"] <= 1.0
+    assert set(metrics) == {"accuracy"}  # the CLI sampled and scored the checkpoint's answers (all wrong here)

@@ -19,6 +19,9 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-back
 NUM_STEPS = 3
 NUM_SAMPLES = 3
 LONG_NAME = "/home/someone/experiments/" + "vlm-classifier-caltech101-" * 12 + "run"  # the cookbook's log path
+# Playwright's waits (5 s for expect, 30 s for actions by default) are hang guards here, not margins:
+# a loaded machine may take longer.
+expect.set_options(timeout=60_000)
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,7 @@ def trained(first_start_server: LiveServer) -> dict:
 
 def open_dashboard(browser: Browser, url: str, key: str) -> tuple[Page, list]:
     page = browser.new_page()
+    page.set_default_timeout(60_000)
     requests = []
     page.on("request", lambda request: requests.append((request.url, request.headers.get("x-api-key"))))
     page.goto(f"{url}/dashboard")

@@ -1,6 +1,7 @@
 """Bad input gets a clear 4xx and loses nothing; a restart keeps sessions, runs and checkpoints;
 closed or silent sessions take their runs out of memory."""
 
+import re
 import time
 
 import httpx
@@ -11,6 +12,9 @@ from tinker import types
 
 from support.live_server import BASE_MODEL, start_server
 from support.sdk import SENTENCES, forward_logprobs, prompt_of, supervised_datum
+
+SILENCE_SECONDS = 4
+"""--session-timeout of the expiry test: heartbeats 0.1 s apart keep a session alive well within it."""
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +140,8 @@ def test_closing_a_session_unloads_its_runs_but_keeps_their_checkpoints(server):
 def test_a_session_that_stops_heartbeating_is_finished_and_its_runs_leave_memory(models_dir, tmp_path):
     # Clients that exit without closing their ServiceClient (the cookbook's DPO recipe does) would
     # otherwise keep their adapters and optimizer state in memory for good.
-    live = start_server(tmp_path / "data", f"sqlite:///{tmp_path}/journal.db", models_dir, "--session-timeout", "3")
+    live = start_server(tmp_path / "data", f"sqlite:///{tmp_path}/journal.db", models_dir, "--session-timeout",
+                        str(SILENCE_SECONDS))
     try:
         with httpx.Client(base_url=live.url, headers=live.headers(), timeout=30) as http:
             def create_session_and_run() -> tuple[str, str]:
@@ -152,10 +157,13 @@ def test_a_session_that_stops_heartbeating_is_finished_and_its_runs_leave_memory
                 return http.post("/api/v1/retrieve_future", json={"request_id": future.json()["request_id"]}).json()
 
             (silent, silent_model), (beating, beating_model) = create_session_and_run(), create_session_and_run()
-            # Twice the timeout; the server looks every quarter timeout. Only one session heartbeats.
-            for _ in range(12):
+            # Only one session heartbeats, back to back, until the server logs that it finished the other
+            # (it looks every quarter timeout); the deadline is a hang guard, not a margin.
+            deadline = time.monotonic() + 120
+            while not re.search(rf"finished \d+ sessions silent for over .*{silent}", live.log_path.read_text()):
+                assert time.monotonic() < deadline, live.log()
                 assert http.post("/api/v1/session_heartbeat", json={"session_id": beating}).status_code == 200
-                time.sleep(0.5)
+                time.sleep(0.1)
             assert http.post("/api/v1/session_heartbeat", json={"session_id": silent}).status_code == 410
             assert "not loaded" in optim_step(silent_model)["error"]
             assert "error" not in optim_step(beating_model)

@@ -7,6 +7,7 @@ depth), never from wall-clock margins.
 """
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ ADAM = types.AdamParams(learning_rate=5e-3)
 PASS_TOKENS = 40
 # About 100 passes: the small tenants' few round trips end long before the long job does.
 LONG_REQUESTS, LONG_DATUMS = 12, 24
+JOURNAL_DEADLINE_SECONDS = 120  # a hang guard, not a margin: on an idle machine it takes well under a second
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +86,11 @@ def test_tenants_training_at_once_each_get_what_they_get_alone_and_small_steps_p
     runs = {tenant: new_run(tenant).result() for tenant in keys}
     completed_before = completed_forward_backwards(server)
     long_futures = submit_long(runs["long"])
+    deadline = time.monotonic() + JOURNAL_DEADLINE_SECONDS
     while (queue_depth(server, runs["long"].model_id) + completed_forward_backwards(server) - completed_before
-           < LONG_REQUESTS):
-        pass  # until every request of the long job is journaled (queued, running or done)
+           < LONG_REQUESTS):  # until every request of the long job is journaled (queued, running or done)
+        assert time.monotonic() < deadline, "the long job's requests were never all journaled"
+        time.sleep(0.05)
     together = {}
 
     def small_tenant(tenant: str) -> None:

@@ -29,12 +29,13 @@ def test_errors_read_as_unsupported_only_when_the_server_says_so(error, expected
     assert classify(error) == expected
 
 
-def test_the_markdown_lists_what_passes_per_class_then_every_other_call_with_its_reason():
+def test_the_markdown_lists_what_passes_per_class_marking_client_only_then_every_other_call_with_its_reason():
     outcomes = [Outcome("SamplingClient", "sample", "pass"), Outcome("SamplingClient", "sample_async", "pass"),
+                Outcome("SamplingClient", "get_tokenizer", "pass", client_only=True),
                 Outcome("SamplingClient", "sample[topk_sample_logprobs]", "unsupported", "not supported | yet"),
                 Outcome("RestClient", "whoami", "fail", "RuntimeError: boom")]
     lines = render_markdown(outcomes).splitlines()
-    assert "| `SamplingClient` | 2 of 2 | `sample`, `sample_async` |" in lines
-    assert "| `RestClient` | 0 of 1 |  |" in lines
+    assert "| `SamplingClient` | 3 of 3 (1 client-only) | `sample`, `sample_async`, `get_tokenizer`* |" in lines
+    assert "| `RestClient` | 0 of 1 (0 client-only) |  |" in lines
     assert lines[-2:] == ["| `SamplingClient.sample[topk_sample_logprobs]` | unsupported | not supported / yet |",
                           "| `RestClient.whoami` | fail | RuntimeError: boom |"]

@@ -1,6 +1,7 @@
 """One adapter per row (use_adapter_rows): equal to each row run with its own adapter, forward and
 backward, for adapters of different ranks and targets and base-model rows; nothing outlives the block.
 Layers that read the same input (q, k, v; gate, up) share one product with it, in any call order.
+On a VLM, an adapter gives PEFT's logits on an image prompt and adapts the language model only.
 
 Shapes: B = rows, T = positions, V = vocabulary.
 """
@@ -11,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from server.config import ModelConfig
 from server.models.loading import load_base_model
+from server.training.checkpoint_io import save_peft_adapter
 from server.training.lora import (AdapterStack, LoraAdapter, SharedInput, apply_lora_wrappers, select_targets,
                                   use_adapter, use_adapter_rows)
 
@@ -177,3 +179,42 @@ def test_siblings_called_in_any_order_or_with_other_inputs_get_their_own_delta(m
     for got, want in zip([got_q, got_k, got_v], expected):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     torch.testing.assert_close(got_k_other, expected_other, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("vlm", ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen3-vl"])
+def test_a_vlm_adapter_on_an_image_prompt_equals_peft_and_adapts_only_the_language_model(vlm, models_dir, tmp_path):
+    # An independent reference for the VLM targets: PEFT on transformers' own model, fed the processor's
+    # pixel values; the vision tower runs in both and no LoRA layer sits in it.
+    from peft import PeftModel
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    base = load_base_model(ModelConfig(base_model=vlm, model_path=None, model_cache_dir=models_dir))
+    targets, slot = apply_lora_wrappers(base.model, base.family)
+    adapter = LoraAdapter.initialize(select_targets(targets, train_attn=True, train_mlp=True, train_unembed=True),
+                                     rank=4, alpha=8.0, seed=5, device="cpu")
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for lora_B in adapter.lora_B.values():
+            lora_B.copy_(torch.randn(lora_B.shape, generator=generator) * 0.2)
+    save_peft_adapter(tmp_path, adapter, vlm)
+    processor, tokenizer = AutoImageProcessor.from_pretrained(base.path), AutoTokenizer.from_pretrained(base.path)
+    image = Image.fromarray(torch.randint(0, 256, (56, 56, 3), generator=generator, dtype=torch.uint8).numpy())
+    inputs = dict(processor(images=[image], return_tensors="pt"))
+    num_pads = int(inputs["image_grid_thw"].prod()) // processor.merge_size ** 2
+    ids = tokenizer.encode("<|vision_start|>") + tokenizer.encode("<|image_pad|>") * num_pads + \
+        tokenizer.encode("<|vision_end|>What is it?")
+    inputs["input_ids"] = torch.tensor([ids])
+    inputs["mm_token_type_ids"] = (inputs["input_ids"] == tokenizer.convert_tokens_to_ids("<|image_pad|>")).long()
+    with torch.no_grad(), use_adapter(slot, adapter):
+        ours = base.model(**inputs).logits.float()
+    peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base.path), tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(**inputs).logits.float(), ours, atol=1e-4, rtol=0)
+        with peft_model.disable_adapter():
+            assert (peft_model(**inputs).logits.float() - ours).abs().max() > 1e-2  # the adapter changes it
+    adapted = {name.removeprefix("base_model.model.").removesuffix(".lora_A") for name, _ in
+               peft_model.named_modules() if name.endswith(".lora_A")}
+    assert adapted == set(adapter.lora_A)
+    assert all(name.startswith(base.family.language_model_prefix) or name == base.family.unembed_module
+               for name in adapted)

@@ -8,14 +8,18 @@ Shapes: N = positions of a datum, K = targets per position, V = vocabulary.
 """
 
 import itertools
+import logging
 import math
+import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from peft import PeftModel
+from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
 from server.config import ModelConfig, TrainerConfig
@@ -454,6 +458,102 @@ def test_a_pass_of_several_runs_gives_each_run_exactly_what_it_gets_alone(traine
                 # last bit of fp32), so the gradients are compared by norm, as a whole tensor.
                 for a, e in zip(gradients(together_trainer, together_id), gradients(trainer, alone_id), strict=True):
                     assert (a - e).norm() <= 3e-5 * e.norm()
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")
+def test_a_pass_of_several_runs_gives_each_run_the_logprobs_and_gradients_of_peft_with_its_adapter(trainer, tmp_path):
+    # A reference outside the server's LoRA code: each run's adapter, saved, loaded into PEFT on the HF
+    # model, every datum run alone through it; the pass stacks the three adapters per row.
+    model_ids = [create_run(trainer, config, perturb_seed=110 + i) for i, (config, _) in enumerate(PASS_RUNS)]
+    batches = [sft_batch(120 + i, lengths, trainer.base.vocab_size) for i, lengths in enumerate([[9, 3], [12], [5, 7]])]
+    results = trainer.forward_backward_pass([ForwardBackward(model_id, batch, "cross_entropy", None, False)
+                                             for model_id, batch in zip(model_ids, batches)])
+    peft_model = AutoModelForCausalLM.from_pretrained(trainer.base.path)
+    for model_id in model_ids:
+        save(trainer, model_id, tmp_path / model_id, with_optimizer=False)
+        if isinstance(peft_model, PeftModel):
+            peft_model.load_adapter(tmp_path / model_id, adapter_name=model_id, is_trainable=True)
+        else:
+            peft_model = PeftModel.from_pretrained(peft_model, tmp_path / model_id, adapter_name=model_id,
+                                                   is_trainable=True)
+    for model_id, batch, result in zip(model_ids, batches, results, strict=True):
+        peft_model.set_adapter(model_id)
+        loss = torch.zeros(())
+        for example, output in zip(batch, result.outputs, strict=True):
+            logits_NV = peft_model(input_ids=torch.tensor([example.input_ids])).logits[0]
+            logprobs_N = torch.log_softmax(logits_NV.float(), dim=-1).gather(
+                -1, example.loss_fn_inputs["target_tokens"][:, None])[:, 0]
+            np.testing.assert_allclose(output["logprobs"], logprobs_N.detach().numpy(), rtol=0, atol=1e-5)
+            loss = loss - (logprobs_N * example.loss_fn_inputs["weights"]).sum()
+        adapter = trainer.models[model_id].adapter
+        names = sorted(adapter.lora_A)
+        peft_parameters = dict(peft_model.named_parameters())
+        expected = torch.autograd.grad(loss, [peft_parameters[f"base_model.model.{name}.lora_{part}.{model_id}.weight"]
+                                              for name in names for part in "AB"])
+        for actual, e in zip([t.grad for name in names for t in (adapter.lora_A[name], adapter.lora_B[name])],
+                             expected, strict=True):
+            assert (actual - e).norm() <= 3e-5 * e.norm()
+
+
+def test_compiled_blocks_give_the_eager_pass_of_several_runs_and_compile_once_for_every_block(
+        model_cache_dir, trainer, recompiles):
+    # What --compile does on a GPU (torch.compile of each decoder block and of the unembedding chunks), here
+    # with inductor's CPU code: a pass of three runs (other ranks, targets and losses) gives the eager pass's
+    # logprobs and gradients, and the blocks share their compiled code: a guard on anything that differs
+    # from block to block (a layer's name, its SharedInput) would compile each block again, and with 36
+    # blocks run past dynamo's recompile limit into eager mode.
+    compiled = build_trainer(model_cache_dir, TrainerConfig(compile=True))
+    results = {}
+    for name, each in (("eager", trainer), ("compiled", compiled)):
+        model_ids = [create_run(each, config, perturb_seed=70 + i) for i, (config, _) in enumerate(PASS_RUNS)]
+        batches = pass_batches(each, model_ids)
+        outputs = each.forward_backward_pass([ForwardBackward(model_id, batch, loss_fn, None, False)
+                                              for model_id, batch, (_, loss_fn) in zip(model_ids, batches, PASS_RUNS)])
+        results[name] = outputs, [gradients(each, model_id) for model_id in model_ids]
+    for eager_result, compiled_result in zip(results["eager"][0], results["compiled"][0], strict=True):
+        for a, b in zip(compiled_result.outputs, eager_result.outputs, strict=True):
+            np.testing.assert_allclose(a["logprobs"], b["logprobs"], rtol=0, atol=1e-5)
+    for compiled_grads, eager_grads in zip(results["compiled"][1], results["eager"][1], strict=True):
+        for a, e in zip(compiled_grads, eager_grads, strict=True):
+            assert (a - e).norm() <= 3e-5 * e.norm()
+    # Passes of other runs (new adapter tensors) and other lengths: dynamo makes each variant's shapes
+    # dynamic once it sees a second size, then compiles nothing more. No recompile is ever for a block.
+    for seed in (80, 90):
+        model_ids = [create_run(compiled, config, perturb_seed=seed + i) for i, (config, _) in enumerate(PASS_RUNS)]
+        batches = [sft_batch(seed, [seed // 10 + i, 11, 7][: 2 + i % 2], compiled.base.vocab_size)
+                   for i in range(len(model_ids))]
+        graphs = counters["stats"]["unique_graphs"]
+        compiled.forward_backward_pass([ForwardBackward(model_id, batch, "cross_entropy", None, False)
+                                        for model_id, batch in zip(model_ids, batches)])
+    assert counters["stats"]["unique_graphs"] == graphs, "the third pass compiled again"
+    reasons = [line.strip() for message in recompiles.messages for line in message.splitlines()
+               if line.strip().startswith("- ")]
+    assert reasons and all(re.search(r"size mismatch|requires_grad mismatch|GLOBAL_STATE changed", reason)
+                           for reason in reasons), reasons
+
+
+class RecordedLogs(logging.Handler):
+    """Keeps the messages of the records it is handed."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def recompiles() -> Iterator[RecordedLogs]:
+    """The messages of dynamo's recompiles (each with the guards that failed) while the test runs."""
+    recorded = RecordedLogs()
+    torch._logging.set_logs(recompiles=True)
+    logger = logging.getLogger("torch._dynamo.guards.__recompiles")
+    logger.addHandler(recorded)
+    yield recorded
+    logger.removeHandler(recorded)
+    torch._logging.set_logs()
 
 
 def test_a_request_run_over_two_passes_gives_what_one_pass_gives(trainer):
