@@ -98,6 +98,11 @@ def every_route(owned: dict, own_session: str) -> list[tuple[str, str, dict]]:
         ("PUT", f"/api/v1/sessions/{a['session']}/project", dict(json={"project_id": "p"})),
         ("POST", "/api/v1/sessions/search", dict(json={})),
         ("GET", "/api/v1/dashboard/overview", {}),
+        ("GET", "/oai/api/v1/models", {}),
+        ("POST", "/oai/api/v1/chat/completions", dict(json={"model": a["sampler_path"], "max_tokens": 1,
+                                                            "messages": [{"role": "user", "content": "Hi"}]})),
+        ("POST", "/oai/api/v1/completions", dict(json={"model": a["sampler_path"], "prompt": [1, 2],
+                                                       "max_tokens": 1})),
         ("GET", f"/api/v1/dashboard/runs/{a['model']}/curves", {}),
         ("GET", "/metrics", {}),
         ("GET", "/openapi.json", {}),
@@ -107,7 +112,7 @@ def every_route(owned: dict, own_session: str) -> list[tuple[str, str, dict]]:
 # Routes that name no resource of anyone's answer a second tenant normally (listings show its own only).
 NAMES_NO_RESOURCE = {"/api/v1/client/config", "/api/v1/telemetry", "/api/v1/get_server_capabilities",
                      "/api/v1/create_session", "/api/v1/sessions", "/api/v1/training_runs", "/api/v1/checkpoints",
-                     "/api/v1/sessions/search", "/api/v1/dashboard/overview", "/openapi.json"}
+                     "/api/v1/sessions/search", "/api/v1/dashboard/overview", "/openapi.json", "/oai/api/v1/models"}
 # Signed download URLs take no key: the signature is the permission (a forged one is a 403).
 SIGNED = "/api/v1/external_weights/"
 
