@@ -12,7 +12,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BUILTIN_PREFIX = "builtin:"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 """Where scripts/install_vllm.sh builds the vLLM venv (in the checkout, wherever the server starts)."""

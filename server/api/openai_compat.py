@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from server.api import openai_output
-from server.api.deps import JSON, OwnerDep, Services, ServicesDep, check_sampled_tokens, read_body
+from server.api.deps import JSON, OwnerDep, Services, ServicesDep, check_sampled_tokens, read_body, serves
 from server.api.sampling_inputs import check_num_samples, pin_adapter, sampling_options
 from server.errors import InvalidRequest, NotFound, TinkerServerError
 from server.rendering.chat import render_chat, render_text_prompt
@@ -76,10 +76,10 @@ def model_path_of(services: Services, model: str) -> str | None:
     """The checkpoint `model` names (None: the base model); a 404 for a model this server does not serve."""
     base, separator, path = model.partition(";")
     if separator:
-        if base != services.base.name:
+        if not serves(services, base):
             raise NotFound(f"model {base!r} is not served here; this server serves {services.base.name!r}")
         return path
-    if model == services.base.name:
+    if serves(services, model):
         return None
     if model.startswith(SCHEME):
         return model

@@ -76,7 +76,8 @@ def test_text_completions_take_n_seeds_stops_and_logprobs_and_stream(tenant):
     stop = max((c.text for c in first.choices), key=len)[2:4]
     stopped = client.completions.create(**asked, stop=[stop])
     assert [c.text for c in stopped.choices] == [c.text.split(stop)[0] for c in first.choices]
-    assert [c.finish_reason for c in stopped.choices] == ["stop" if stop in c.text else c.finish_reason for c in first.choices]
+    assert [c.finish_reason for c in stopped.choices] == ["stop" if stop in c.text else c.finish_reason
+                                                          for c in first.choices]
 
     streamed = list(client.completions.create(**asked, stream=True))
     texts = ["".join(e.choices[0].text for e in streamed if e.choices[0].index == i) for i in range(3)]
