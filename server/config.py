@@ -483,6 +483,51 @@ def parse_keys_command(argv: list[str]) -> KeysCommand:
                        new_database=getattr(args, "new_database", False))
 
 
+@dataclass(frozen=True)
+class AdaptersCommand:
+    """`python -m server adapters import PATH --tenant NAME`: an operator imports a PEFT LoRA adapter."""
+
+    path: Path
+    """A folder with adapter_config.json and adapter_model.safetensors."""
+    tenant: str
+    name: str
+    """The checkpoints' name (weights/NAME and sampler_weights/NAME)."""
+    model: ModelConfig
+    """The server's base model, whose LoRA targets the adapter must fit."""
+    max_lora_rank: int
+    database_url: str
+    checkpoint_dir: Path
+
+
+def build_adapters_arg_parser() -> argparse.ArgumentParser:
+    """The CLI of `python -m server adapters` (frozen by tests/unit/test_cli.py)."""
+    parser = argparse.ArgumentParser(prog="python -m server adapters", formatter_class=HelpWithDefaults,
+                                     description="import LoRA adapters made elsewhere into a tenant")
+    actions = parser.add_subparsers(dest="action", required=True)
+    imports = actions.add_parser("import", formatter_class=HelpWithDefaults,
+                                 help="import a PEFT LoRA adapter folder (adapter_config.json, "
+                                      "adapter_model.safetensors) for the served base model")
+    imports.add_argument("path", type=Path, help="the adapter's folder")
+    imports.add_argument("--tenant", required=True, help="whose checkpoints the import makes (required)")
+    imports.add_argument("--name", default=None, help="the checkpoints' name (default: the folder's name)")
+    imports.add_argument("--base-model", required=True, help="the server's --base-model (required)")
+    imports.add_argument("--model-path", type=Path, default=None, help="the server's --model-path (default: none)")
+    imports.add_argument("--max-lora-rank", type=int, default=LimitsConfig.max_lora_rank,
+                         help="the server's --max-lora-rank")
+    _add_store_flags(imports)
+    return parser
+
+
+def parse_adapters_command(argv: list[str]) -> AdaptersCommand:
+    args = build_adapters_arg_parser().parse_args(argv)
+    data_dir = args.data_dir.resolve()
+    return AdaptersCommand(path=args.path, tenant=args.tenant, name=args.name or args.path.resolve().name,
+                           model=ModelConfig(base_model=args.base_model, model_path=args.model_path,
+                                             model_cache_dir=data_dir / "models"),
+                           max_lora_rank=args.max_lora_rank, database_url=_database_url(args, data_dir),
+                           checkpoint_dir=data_dir / "checkpoints")
+
+
 def _vllm_config(args: argparse.Namespace) -> VLLMConfig:
     python = None
     if not args.vllm_url:

@@ -24,7 +24,7 @@ from server.config import ServerConfig
 from server.errors import (Conflict, Forbidden, InvalidRequest, NotFound, PayloadTooLarge, TinkerServerError,
                            Unauthorized)
 from server.metrics import ServerMetrics
-from server.models.builtin import builtin_name
+from server.models.builtin import spellings
 from server.models.loading import LoadedModel
 from server.rendering.chunks import RenderContext, RenderedInput
 from server.rendering.provenance import position_keys
@@ -234,8 +234,7 @@ def sampler_of(services: Services, sampling_session_id: str, owner: str) -> Samp
 
 def serves(services: Services, model: str) -> bool:
     """Whether `model` names the served base model (a built-in by either of its spellings)."""
-    served = services.base.name
-    return model == served or (builtin_name(model) is not None and builtin_name(model) == builtin_name(served))
+    return model in spellings(services.base.name)
 
 
 def check_base_model(services: Services, base_model: str | None) -> None:

@@ -51,6 +51,12 @@ def builtin_name(model: str) -> str | None:
     return None
 
 
+def spellings(model: str) -> set[str]:
+    """Every name of `model`: a built-in's two spellings, any other model's own."""
+    name = builtin_name(model)
+    return {model} if name is None else {PREFIX + name, f"{HUB_NAMESPACE}/{name}"}
+
+
 def served_name(model: str) -> str:
     """The name the server reports for `model`: a built-in by its hub-style name, any other model as given."""
     name = builtin_name(model)
