@@ -528,6 +528,40 @@ def parse_adapters_command(argv: list[str]) -> AdaptersCommand:
                            checkpoint_dir=data_dir / "checkpoints")
 
 
+@dataclass(frozen=True)
+class ExportCommand:
+    """`python -m server export --merged tinker://... --out DIR`: an operator writes base model plus adapter."""
+
+    merged: str
+    """The checkpoint's tinker:// path."""
+    out: Path
+    model_path: Path | None
+    """The server's --model-path; None: the checkpoint's base model is found as the server finds it."""
+    model_cache_dir: Path
+    database_url: str
+
+
+def build_export_arg_parser() -> argparse.ArgumentParser:
+    """The CLI of `python -m server export` (frozen by tests/unit/test_cli.py)."""
+    parser = argparse.ArgumentParser(prog="python -m server export", formatter_class=HelpWithDefaults,
+                                     description="write a checkpoint merged into its base model as a Hugging "
+                                                 "Face model folder (transformers and vLLM load it)")
+    parser.add_argument("--merged", required=True, metavar="TINKER_PATH",
+                        help="the checkpoint (tinker://RUN/weights/NAME or .../sampler_weights/NAME) (required)")
+    parser.add_argument("--out", type=Path, required=True, help="a new directory for the model (required)")
+    parser.add_argument("--model-path", type=Path, default=None,
+                        help="the server's --model-path (default: the base model is found as the server finds it)")
+    _add_store_flags(parser)
+    return parser
+
+
+def parse_export_command(argv: list[str]) -> ExportCommand:
+    args = build_export_arg_parser().parse_args(argv)
+    data_dir = args.data_dir.resolve()
+    return ExportCommand(merged=args.merged, out=args.out, model_path=args.model_path,
+                         model_cache_dir=data_dir / "models", database_url=_database_url(args, data_dir))
+
+
 def _vllm_config(args: argparse.Namespace) -> VLLMConfig:
     python = None
     if not args.vllm_url:

@@ -1,11 +1,11 @@
-"""PEFT LoRA adapters made elsewhere, imported into a tenant (REST route and `python -m server adapters import`):
-the real SDK samples and trains them and gets what PEFT computes; a mismatched base, rank, target module or
-shape is a 400 that names it."""
+"""Adapters in and models out. PEFT LoRA adapters made elsewhere, imported into a tenant (REST route and
+`python -m server adapters import`): the real SDK samples and trains them and gets what PEFT computes; a
+mismatched base, rank, target module or shape is a 400 that names it. A trained checkpoint exported merged
+into its base model (`python -m server export --merged`): transformers loads the folder, and its greedy
+tokens are the SDK's greedy samples of the checkpoint."""
 
 import base64
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -15,7 +15,10 @@ import torch
 from tinker import types
 from transformers import AutoTokenizer
 
-from support.live_server import REPO_ROOT, LiveServer
+from server.adapter_imports import run_adapters_command
+from server.config import parse_adapters_command, parse_export_command
+from server.merged_export import run_export_command
+from support.live_server import LiveServer
 from support.sdk import SENTENCES, forward_logprobs, peft_logprobs, supervised_datum
 
 MODEL = "builtin/tiny-qwen3"
@@ -48,7 +51,7 @@ def import_body(adapter_dir: Path, name: str, config_changes: dict | None = None
     return {"name": name, "adapter_config": config, "adapter_model": base64.b64encode(data).decode()}
 
 
-def test_an_imported_peft_adapter_samples_and_trains_as_peft_computes_it(lifecycle_server, peft_adapter):
+def test_an_imported_peft_adapter_samples_and_trains_as_peft_computes_it(lifecycle_server, peft_adapter, capsys):
     base_dir, adapter_dir = peft_adapter
     key = lifecycle_server.create_key("importer")
     answer = httpx.post(f"{lifecycle_server.url}/api/v1/adapters/import", headers=lifecycle_server.headers(key),
@@ -71,12 +74,12 @@ def test_an_imported_peft_adapter_samples_and_trains_as_peft_computes_it(lifecyc
     training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert forward_logprobs(training, [datum])[0].sum() > expected.sum()  # it goes on learning
 
-    # The operator's command does the same from the server's machine, into the tenant it names.
-    done = subprocess.run([sys.executable, "-m", "server", "adapters", "import", str(adapter_dir), "--tenant",
-                           "importer", "--name", "by-cli", "--base-model", "builtin:tiny-qwen3", "--data-dir",
-                           str(lifecycle_server.data_dir)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    by_cli = json.loads(done.stdout)
+    # The operator's command does the same from the server's machine, into the tenant it names (run in this
+    # process: an interpreter of its own would double the test's time).
+    assert run_adapters_command(parse_adapters_command([
+        "import", str(adapter_dir), "--tenant", "importer", "--name", "by-cli", "--base-model", "builtin:tiny-qwen3",
+        "--data-dir", str(lifecycle_server.data_dir)])) == 0
+    by_cli = json.loads(capsys.readouterr().out)
     sampler = service.create_sampling_client(model_path=by_cli["sampler_path"]).result()
     np.testing.assert_allclose(sampler.compute_logprobs(types.ModelInput.from_ints(ids)).result()[1:], expected,
                                atol=1e-4)
@@ -105,3 +108,31 @@ def test_an_adapter_that_does_not_fit_the_served_model_is_refused_by_what_does_n
             answer = http.post("/api/v1/adapters/import", json=body)
             assert answer.status_code == 400 and words in answer.json()["detail"], (words, answer.text)
         assert http.post("/api/v1/adapters/import", json=import_body(adapter_dir, "good")).status_code == 200
+
+
+def test_a_checkpoint_exported_merged_into_its_base_model_decodes_greedily_as_the_sdk_samples_it(lifecycle_server,
+                                                                                                tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    service = lifecycle_server.service_client()
+    training = service.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()  # lm_head too
+    tokenizer = AutoTokenizer.from_pretrained(lifecycle_server.data_dir / "models" / "tiny-qwen3")
+    datum = supervised_datum(tokenizer, SENTENCES[3])
+    for _ in range(2):
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = training.save_weights_for_sampler("to-merge").result().path
+    prompt = tokenizer.encode(SENTENCES[3])[:5]
+    sampled = service.create_sampling_client(model_path=path).result().sample(
+        types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=8, temperature=0.0)).result()
+
+    out = tmp_path / "merged"
+    assert run_export_command(parse_export_command(["--merged", path, "--out", str(out), "--data-dir",
+                                                    str(lifecycle_server.data_dir)])) == 0
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert AutoTokenizer.from_pretrained(out).encode(SENTENCES[3]) == tokenizer.encode(SENTENCES[3])
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in sampled.sequences[0].tokens:
+            ids.append(int(merged(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    assert ids[len(prompt):] == sampled.sequences[0].tokens

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from server.config import (DEFAULT_VLLM_PYTHON, REPO_ROOT, ModelConfig, build_adapters_arg_parser, build_arg_parser,
-                           build_keys_arg_parser, parse_config, parse_keys_command)
+                           build_export_arg_parser, build_keys_arg_parser, parse_config, parse_keys_command)
 from server.keys import run_keys_command
 from server.sampling.vllm_process import ServedModel, vllm_command
 
@@ -68,12 +68,13 @@ ADAPTERS_CLI_OPTIONS = {
     "import": {"-h", "--help", "--tenant", "--name", "--base-model", "--model-path", "--max-lora-rank", "--data-dir",
                "--database-url"},
 }
+EXPORT_CLI_OPTIONS = {"-h", "--help", "--merged", "--out", "--model-path", "--data-dir", "--database-url"}
 DATABASE_URL_ENV = "TINKER_SERVER_DATABASE_URL"
 
 
 def test_the_cli_has_exactly_the_frozen_set_of_options():
-    parser = build_arg_parser()
-    assert {option for action in parser._actions for option in action.option_strings} == CLI_OPTIONS
+    for parser, frozen in ((build_arg_parser(), CLI_OPTIONS), (build_export_arg_parser(), EXPORT_CLI_OPTIONS)):
+        assert {option for action in parser._actions for option in action.option_strings} == frozen
 
 
 def test_the_keys_and_adapters_clis_have_exactly_the_frozen_commands_and_options():
@@ -227,7 +228,7 @@ def _option_help_lines(parser) -> dict[str, str]:
 def test_every_flag_has_a_help_text_that_names_its_default():
     subcommands = [parser for cli in (build_keys_arg_parser(), build_adapters_arg_parser())
                    for parser in next(a for a in cli._actions if a.dest == "action").choices.values()]
-    for parser in (build_arg_parser(), *subcommands):
+    for parser in (build_arg_parser(), build_export_arg_parser(), *subcommands):
         for option, text in _option_help_lines(parser).items():
             assert len(text) > 20 and ("default" in text or "required" in text), (option, text)
 
