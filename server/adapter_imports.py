@@ -50,7 +50,8 @@ def write_imported_adapter(store: Store, checkpoint_dir: Path, *, base_model: st
     session_id = str(uuid.uuid4())
     model_id = f"{session_id}:train:0"
     weights, sampler = TinkerPath(model_id, "weights", name), TinkerPath(model_id, "sampler_weights", name)
-    weights_dir, sampler_dir = weights.new_version_directory(checkpoint_dir), sampler.new_version_directory(checkpoint_dir)
+    weights_dir = weights.new_version_directory(checkpoint_dir)
+    sampler_dir = sampler.new_version_directory(checkpoint_dir)
     size = save_peft_adapter(weights_dir, adapter, base_model, lora_config, num_steps=0)
     sampler_dir.mkdir(parents=True)
     for file in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):  # shared bytes; each checkpoint still deletes on its own

@@ -45,15 +45,20 @@ def peft_adapter(lifecycle_server: LiveServer, tmp_path_factory) -> tuple[Path, 
     return base_dir, adapter_dir
 
 
+@pytest.fixture(scope="module")
+def key(lifecycle_server: LiveServer) -> str:
+    """A tenant of these tests' own on the shared server."""
+    return lifecycle_server.create_key("importer")
+
+
 def import_body(adapter_dir: Path, name: str, config_changes: dict | None = None, weights: bytes | None = None) -> dict:
     config = {**json.loads((adapter_dir / "adapter_config.json").read_text()), **(config_changes or {})}
     data = weights if weights is not None else (adapter_dir / "adapter_model.safetensors").read_bytes()
     return {"name": name, "adapter_config": config, "adapter_model": base64.b64encode(data).decode()}
 
 
-def test_an_imported_peft_adapter_samples_and_trains_as_peft_computes_it(lifecycle_server, peft_adapter, capsys):
+def test_an_imported_peft_adapter_samples_and_trains_as_peft_computes_it(lifecycle_server, key, peft_adapter, capsys):
     base_dir, adapter_dir = peft_adapter
-    key = lifecycle_server.create_key("importer")
     answer = httpx.post(f"{lifecycle_server.url}/api/v1/adapters/import", headers=lifecycle_server.headers(key),
                         json=import_body(adapter_dir, "from-peft"), timeout=60)
     assert answer.status_code == 200, answer.text
@@ -85,7 +90,7 @@ def test_an_imported_peft_adapter_samples_and_trains_as_peft_computes_it(lifecyc
                                atol=1e-4)
 
 
-def test_an_adapter_that_does_not_fit_the_served_model_is_refused_by_what_does_not_fit(lifecycle_server,
+def test_an_adapter_that_does_not_fit_the_served_model_is_refused_by_what_does_not_fit(lifecycle_server, key,
                                                                                       peft_adapter):
     _, adapter_dir = peft_adapter
     from safetensors.torch import load, save
@@ -103,7 +108,7 @@ def test_an_adapter_that_does_not_fit_the_served_model_is_refused_by_what_does_n
         (import_body(adapter_dir, "bad", {"use_dora": True}), "use_dora"),
         (import_body(adapter_dir, "bad", weights=b"not safetensors"), "could not be read"),
     ]
-    with httpx.Client(base_url=lifecycle_server.url, headers=lifecycle_server.headers(), timeout=60) as http:
+    with httpx.Client(base_url=lifecycle_server.url, headers=lifecycle_server.headers(key), timeout=60) as http:
         for body, words in cases:
             answer = http.post("/api/v1/adapters/import", json=body)
             assert answer.status_code == 400 and words in answer.json()["detail"], (words, answer.text)
@@ -111,10 +116,10 @@ def test_an_adapter_that_does_not_fit_the_served_model_is_refused_by_what_does_n
 
 
 def test_a_checkpoint_exported_merged_into_its_base_model_decodes_greedily_as_the_sdk_samples_it(lifecycle_server,
-                                                                                                tmp_path):
+                                                                                                key, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    service = lifecycle_server.service_client()
+    service = lifecycle_server.service_client(key)
     training = service.create_lora_training_client(base_model=MODEL, rank=4, seed=1).result()  # lm_head too
     tokenizer = AutoTokenizer.from_pretrained(lifecycle_server.data_dir / "models" / "tiny-qwen3")
     datum = supervised_datum(tokenizer, SENTENCES[3])

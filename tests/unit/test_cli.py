@@ -78,7 +78,8 @@ def test_the_cli_has_exactly_the_frozen_set_of_options():
 
 
 def test_the_keys_and_adapters_clis_have_exactly_the_frozen_commands_and_options():
-    for parser, frozen in ((build_keys_arg_parser(), KEYS_CLI_OPTIONS), (build_adapters_arg_parser(), ADAPTERS_CLI_OPTIONS)):
+    for parser, frozen in ((build_keys_arg_parser(), KEYS_CLI_OPTIONS),
+                           (build_adapters_arg_parser(), ADAPTERS_CLI_OPTIONS)):
         actions = next(a for a in parser._actions if a.dest == "action")
         assert {name: {o for a in sub._actions for o in a.option_strings}
                 for name, sub in actions.choices.items()} == frozen
