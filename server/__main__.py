@@ -1,5 +1,7 @@
 """`python -m server --base-model NAME [...]`: parse the flags, build the app, serve it.
-`python -m server keys create|list|revoke ...`: manage API keys (server/keys.py)."""
+`python -m server keys create|list|revoke ...`: manage API keys (server/keys.py).
+`python -m server adapters import PATH --tenant NAME`: import a PEFT adapter (server/adapter_imports.py).
+`python -m server export --merged tinker://... --out DIR`: base model plus adapter (server/merged_export.py)."""
 
 import collections
 import functools
@@ -11,7 +13,8 @@ import time
 
 import uvicorn
 
-from server.config import ServerConfig, build_arg_parser, parse_config, parse_keys_command
+from server.config import (ServerConfig, build_arg_parser, parse_adapters_command, parse_config, parse_export_command,
+                           parse_keys_command)
 
 # Long polls hold a connection up to 30 s: on SIGTERM they get this long, then the scheduler's own
 # bounded shutdown runs (server/app.py).
@@ -57,6 +60,14 @@ def main() -> None:
         from server.keys import run_keys_command
 
         sys.exit(run_keys_command(parse_keys_command(sys.argv[2:])))
+    if sys.argv[1:2] == ["adapters"]:
+        from server.adapter_imports import run_adapters_command
+
+        sys.exit(run_adapters_command(parse_adapters_command(sys.argv[2:])))
+    if sys.argv[1:2] == ["export"]:
+        from server.merged_export import run_export_command
+
+        sys.exit(run_export_command(parse_export_command(sys.argv[2:])))
     started = time.monotonic()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)

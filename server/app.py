@@ -23,8 +23,8 @@ from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.requests import ClientDisconnect
 
-from server.api import (checkpoints, dashboard, futures, models, operations, rest, sampling, sessions, training,
-                        weights)
+from server.api import (checkpoints, dashboard, futures, models, openai_compat, operations, rest, sampling, sessions,
+                        training, weights)
 from server.api.deps import Services, authenticate, journal_refusal
 from server.banner import start_banner
 from server.config import ServerConfig
@@ -51,6 +51,8 @@ from server.training.workers import start_local_ranks
 logger = logging.getLogger(__name__)
 
 RETENTION_INTERVAL_SECONDS = 600.0
+OPENAI_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                      404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}
 
 
 def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
@@ -279,7 +281,8 @@ def create_app(config: ServerConfig) -> HotRoutes:
     app.include_router(operations.public_router)
     app.include_router(checkpoints.public_router)
     app.include_router(dashboard.public_router)
-    for module in (sessions, models, training, weights, sampling, rest, checkpoints, operations, dashboard):
+    for module in (sessions, models, training, weights, sampling, rest, checkpoints, operations, dashboard,
+                   openai_compat):
         app.include_router(module.router, dependencies=[Depends(authenticate)])
 
     async def refuse(request: Request, error: Exception) -> JSONResponse:
@@ -290,6 +293,9 @@ def create_app(config: ServerConfig) -> HotRoutes:
         # The SDK retries 409s for minutes; a conflicting seq_id never succeeds, so say so.
         headers = {"x-should-retry": "false"} if isinstance(refusal, Conflict) else None
         body = {"detail": message, "error": message, "category": refusal.category}  # also a failed future's shape
+        if request.url.path.startswith(openai_compat.router.prefix):  # OpenAI's shape, which its clients read
+            body = {"error": {"message": message, "type": OPENAI_ERROR_TYPES.get(refusal.status_code, "server_error"),
+                              "param": None, "code": None}}
         return JSONResponse(body, status_code=refusal.status_code, headers=headers)
 
     # Exception is the last resort (Starlette answers it in its outermost middleware); the others are

@@ -12,7 +12,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BUILTIN_PREFIX = "builtin:"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 """Where scripts/install_vllm.sh builds the vLLM venv (in the checkout, wherever the server starts)."""
@@ -507,6 +506,85 @@ def parse_keys_command(argv: list[str]) -> KeysCommand:
                        tenant=args.tenant if args.action != "revoke" else None, admin=getattr(args, "admin", False),
                        label=getattr(args, "label", None), key_id=getattr(args, "key_id", None),
                        new_database=getattr(args, "new_database", False))
+
+
+@dataclass(frozen=True)
+class AdaptersCommand:
+    """`python -m server adapters import PATH --tenant NAME`: an operator imports a PEFT LoRA adapter."""
+
+    path: Path
+    """A folder with adapter_config.json and adapter_model.safetensors."""
+    tenant: str
+    name: str
+    """The checkpoints' name (weights/NAME and sampler_weights/NAME)."""
+    model: ModelConfig
+    """The server's base model, whose LoRA targets the adapter must fit."""
+    max_lora_rank: int
+    database_url: str
+    checkpoint_dir: Path
+
+
+def build_adapters_arg_parser() -> argparse.ArgumentParser:
+    """The CLI of `python -m server adapters` (frozen by tests/unit/test_cli.py)."""
+    parser = argparse.ArgumentParser(prog="python -m server adapters", formatter_class=HelpWithDefaults,
+                                     description="import LoRA adapters made elsewhere into a tenant")
+    actions = parser.add_subparsers(dest="action", required=True)
+    imports = actions.add_parser("import", formatter_class=HelpWithDefaults,
+                                 help="import a PEFT LoRA adapter folder (adapter_config.json, "
+                                      "adapter_model.safetensors) for the served base model")
+    imports.add_argument("path", type=Path, help="the adapter's folder")
+    imports.add_argument("--tenant", required=True, help="whose checkpoints the import makes (required)")
+    imports.add_argument("--name", default=None, help="the checkpoints' name (default: the folder's name)")
+    imports.add_argument("--base-model", required=True, help="the server's --base-model (required)")
+    imports.add_argument("--model-path", type=Path, default=None, help="the server's --model-path (default: none)")
+    imports.add_argument("--max-lora-rank", type=int, default=LimitsConfig.max_lora_rank,
+                         help="the server's --max-lora-rank")
+    _add_store_flags(imports)
+    return parser
+
+
+def parse_adapters_command(argv: list[str]) -> AdaptersCommand:
+    args = build_adapters_arg_parser().parse_args(argv)
+    data_dir = args.data_dir.resolve()
+    return AdaptersCommand(path=args.path, tenant=args.tenant, name=args.name or args.path.resolve().name,
+                           model=ModelConfig(base_model=args.base_model, model_path=args.model_path,
+                                             model_cache_dir=data_dir / "models"),
+                           max_lora_rank=args.max_lora_rank, database_url=_database_url(args, data_dir),
+                           checkpoint_dir=data_dir / "checkpoints")
+
+
+@dataclass(frozen=True)
+class ExportCommand:
+    """`python -m server export --merged tinker://... --out DIR`: an operator writes base model plus adapter."""
+
+    merged: str
+    """The checkpoint's tinker:// path."""
+    out: Path
+    model_path: Path | None
+    """The server's --model-path; None: the checkpoint's base model is found as the server finds it."""
+    model_cache_dir: Path
+    database_url: str
+
+
+def build_export_arg_parser() -> argparse.ArgumentParser:
+    """The CLI of `python -m server export` (frozen by tests/unit/test_cli.py)."""
+    parser = argparse.ArgumentParser(prog="python -m server export", formatter_class=HelpWithDefaults,
+                                     description="write a checkpoint merged into its base model as a Hugging "
+                                                 "Face model folder (transformers and vLLM load it)")
+    parser.add_argument("--merged", required=True, metavar="TINKER_PATH",
+                        help="the checkpoint (tinker://RUN/weights/NAME or .../sampler_weights/NAME) (required)")
+    parser.add_argument("--out", type=Path, required=True, help="a new directory for the model (required)")
+    parser.add_argument("--model-path", type=Path, default=None,
+                        help="the server's --model-path (default: the base model is found as the server finds it)")
+    _add_store_flags(parser)
+    return parser
+
+
+def parse_export_command(argv: list[str]) -> ExportCommand:
+    args = build_export_arg_parser().parse_args(argv)
+    data_dir = args.data_dir.resolve()
+    return ExportCommand(merged=args.merged, out=args.out, model_path=args.model_path,
+                         model_cache_dir=data_dir / "models", database_url=_database_url(args, data_dir))
 
 
 def _vllm_config(args: argparse.Namespace) -> VLLMConfig:

@@ -1,5 +1,6 @@
-"""The checkpoint lifecycle: delete, TTL, publish/unpublish, weights access tokens, copy_weights, and external
-weights' signed download URLs (served here, without an API key: the signature is the permission).
+"""The checkpoint lifecycle: delete, TTL, publish/unpublish, weights access tokens, copy_weights, PEFT adapter
+imports, and external weights' signed download URLs (served here, without an API key: the signature is the
+permission).
 
 Publishing makes a checkpoint readable by every tenant (load, sample from, copy, weights_info), as a weights
 access token does for its holder; only the owner changes or deletes it. The TTL sweeper that deletes
@@ -7,6 +8,7 @@ expired checkpoints is `sweep_expired_checkpoints`, run by the app's housekeepin
 """
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import time
@@ -20,29 +22,36 @@ from urllib.parse import urlencode
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
+from server.adapter_imports import write_imported_adapter
 from server.api.deps import (
     JSON,
     OwnerDep,
     Services,
     ServicesDep,
+    check_storage_quota,
     checkpoint_of,
     forget_checkpoint,
     model_id_for,
     new_request_id,
     owned_checkpoint_of,
     payload_hash,
+    read_body,
     session_of,
     training_run_record,
 )
 from server.errors import Conflict, EngineUnavailable, Forbidden, InvalidRequest, NotFound, TinkerServerError
+from server.models.builtin import spellings
 from server.store.checkpoints import SCHEME, TinkerPath, parse_tinker_path, remove_checkpoint_files
 from server.store.retention import sweep_expired_checkpoints
 from server.store.store import CheckpointRecord, utcnow
+from server.training.peft_import import read_peft_adapter
 from server.wire.lifecycle import (
     CheckpointTtlRequest,
     CopyWeightsRequest,
     CopyWeightsResponse,
     ExternalWeightsUrlsResponse,
+    ImportAdapterRequest,
+    ImportAdapterResponse,
     WeightsAccessTokenResponse,
 )
 from server.wire.types import LoraConfig
@@ -230,6 +239,25 @@ def _copy(services: Services, source: CheckpointRecord, body: CopyWeightsRequest
         user_metadata=source.user_metadata, created_at=now,
         expires_at=now + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds is not None else None))
     return CopyWeightsResponse(tinker_path=str(target))
+
+
+@router.post("/adapters/import", openapi_extra={"requestBody": {"required": True, "content": {
+    "application/json": {"schema": ImportAdapterRequest.model_json_schema()}}}})
+async def import_adapter(request: Request, services: ServicesDep, owner: OwnerDep) -> ImportAdapterResponse:
+    """Import a PEFT LoRA adapter made elsewhere for the served base model, as a new run's checkpoints (this
+    server's own route; `python -m server adapters import` does the same from the server's machine)."""
+    body = ImportAdapterRequest.model_validate_json(await read_body(request, services.config.limits.max_request_bytes))
+
+    def work():
+        check_storage_quota(services, owner)
+        adapter, lora_config = read_peft_adapter(
+            body.adapter_config, body.adapter_model, services.trainer.targets,
+            spellings(services.base.name) | {str(services.base.path)}, services.config.limits.max_lora_rank)
+        return write_imported_adapter(services.store, services.config.store.checkpoint_dir,
+                                      base_model=services.base.name, owner=owner, name=body.name, adapter=adapter,
+                                      lora_config=lora_config)
+
+    return ImportAdapterResponse(**dataclasses.asdict(await asyncio.to_thread(work)))
 
 
 def _link_or_copy(source: str, destination: str) -> None:

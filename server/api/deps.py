@@ -24,6 +24,7 @@ from server.config import ServerConfig
 from server.errors import (Conflict, Forbidden, InvalidRequest, NotFound, PayloadTooLarge, TinkerServerError,
                            Unauthorized)
 from server.metrics import ServerMetrics
+from server.models.builtin import spellings
 from server.models.loading import LoadedModel
 from server.rendering.chunks import RenderContext, RenderedInput
 from server.rendering.provenance import position_keys
@@ -237,8 +238,13 @@ def sampler_of(services: Services, sampling_session_id: str, owner: str) -> Samp
     return record
 
 
+def serves(services: Services, model: str) -> bool:
+    """Whether `model` names the served base model (a built-in by either of its spellings)."""
+    return model in spellings(services.base.name)
+
+
 def check_base_model(services: Services, base_model: str | None) -> None:
-    if base_model is not None and base_model != services.base.name:
+    if base_model is not None and not serves(services, base_model):
         raise InvalidRequest(f"base_model {base_model!r} is not served here; this server serves "
                              f"{services.base.name!r}")
 

@@ -3,8 +3,6 @@
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -20,20 +18,16 @@ from server.api.deps import (
     ensure_sampling_session,
     payload_hash,
     read_body,
-    readable_checkpoint,
     record_sampled_sequences,
     sampler_of,
     services_of,
     session_of,
     tenant_of,
 )
-from server.errors import InvalidRequest, NotFound, PayloadTooLarge
+from server.api.sampling_inputs import check_num_samples, pin_adapter, sampling_options
+from server.errors import InvalidRequest
 from server.rendering.chunks import RenderedInput
-from server.sampling.engine import checkpoint_adapter_name
-from server.sampling.types import AdapterRef, LogprobOptions, PromptTargets, SampleOutput, SamplingOptions, \
-    SamplingRequest
-from server.store.checkpoints import parse_tinker_path
-from server.store.store import CheckpointRecord, SamplingSessionRecord
+from server.sampling.types import LogprobOptions, PromptTargets, SampleOutput, SamplingRequest
 from server.wire.proto import SampledSequenceOut, encode_sample_response
 from server.wire.types import (
     CreateSamplingSessionRequest,
@@ -71,69 +65,6 @@ async def get_sampler(sampling_session_id: str, services: ServicesDep, owner: Ow
                               model_path=record.model_path)
 
 
-async def pin_adapter(services: Services, record: SamplingSessionRecord | None, model_path: str | None,
-                      owner: str) -> tuple[AdapterRef | None, Callable[[], None] | None]:
-    """The adapter a request samples with, fixed when the request is accepted (None: the base model), and
-    what lets go of it once the request is over.
-
-    Pinned here, so that a save_weights_for_sampler issued after this request never changes it, and a
-    saved checkpoint stays on disk (never swept as expired) while the request runs.
-    """
-    if record is not None and record.source_model_id is not None:
-        # An inflight session gets its run's newest inflight weights, as they are now.
-        snapshot = services.adapters.ephemeral(record.sampling_session_id)
-        return AdapterRef(name=snapshot.name, directory=snapshot.directory, weights=snapshot.adapter), None
-    path = record.model_path if record is not None else model_path
-    if path is None:
-        return None, None
-
-    def hold() -> CheckpointRecord:
-        checkpoint = checkpoint_of(services, path, owner)
-        services.checkpoint_pins.acquire(checkpoint.tinker_path)
-        return checkpoint
-
-    # An RL loop names the same checkpoint in every request: once read, it is pinned here on the event loop,
-    # without a database read or a thread (the store forgets a checkpoint whose row changes).
-    remembered = services.store.remembered_checkpoint(str(parse_tinker_path(path)))
-    if remembered is not None and services.checkpoint_pins.try_acquire(remembered.tinker_path):
-        try:
-            checkpoint = readable_checkpoint(services, remembered, path, owner)
-        except NotFound:
-            services.checkpoint_pins.release(remembered.tinker_path)
-            raise
-    else:
-        checkpoint = await asyncio.to_thread(hold)
-    adapter = AdapterRef(name=checkpoint_adapter_name(checkpoint.tinker_path, checkpoint.created_at),
-                         directory=Path(checkpoint.directory))
-    return adapter, lambda: services.checkpoint_pins.release(checkpoint.tinker_path)
-
-
-def sampling_options(services: Services, request: SampleRequest, prompt: RenderedInput) -> SamplingOptions:
-    """The request's SamplingParams with the server's defaults, limits and EOS rule applied."""
-    params = request.sampling_params
-    limits = services.config.limits
-    # Checked here, so that every engine refuses the same prompts with the same words.
-    max_images = services.config.sampler.max_images_per_prompt
-    if len(prompt.images) > max_images:
-        raise InvalidRequest(f"the prompt holds {len(prompt.images)} images; at most {max_images} images per prompt "
-                             f"are accepted (the server's --max-images-per-prompt)")
-    prompt_length = prompt.num_positions
-    max_tokens = params.max_tokens or services.config.sampler.max_new_tokens_default
-    if max_tokens > limits.max_sample_tokens:
-        raise InvalidRequest(f"max_tokens {max_tokens} is over the limit of {limits.max_sample_tokens} (the server's "
-                             f"--max-sample-tokens)")
-    if prompt_length + max_tokens > limits.max_sequence_length:
-        raise PayloadTooLarge(f"prompt ({prompt_length} tokens) + max_tokens ({max_tokens}) is over the "
-                              f"context limit of {limits.max_sequence_length}")
-    stops = params.stop_conditions()
-    # stop=None keeps EOS stopping and stop=[] disables every stop; explicit stops come on top of EOS.
-    eos = () if stops.ignore_eos else services.base.eos_token_ids
-    return SamplingOptions(max_tokens=max_tokens, temperature=params.temperature, top_k=params.top_k,
-                           top_p=params.top_p, seed=params.seed,
-                           stop_token_ids=tuple(dict.fromkeys([*eos, *stops.stop_token_ids])),
-                           stop_strings=tuple(stops.stop_strings))
-
-
 def prompt_targets(services: Services, ids: TensorData, prompt: RenderedInput) -> tuple[PromptTargets, np.ndarray]:
     """The cells target_prompt_logprobs asks for, and which of the tensor's cells those are (-1 asks
     for nothing, and gets 0)."""
@@ -166,10 +97,7 @@ async def asample(request: Request) -> UntypedAPIFuture:
         record = sampler_of(services, sample.sampling_session_id, owner)
     else:
         check_base_model(services, sample.base_model)
-    limit = services.config.limits.max_num_samples
-    if sample.num_samples > limit:
-        raise InvalidRequest(f"num_samples {sample.num_samples} is over the limit of {limit} (the server's "
-                             f"--max-num-samples)")
+    check_num_samples(services, sample.num_samples, "num_samples")
     if sample.record_stability_info and record is None:
         raise InvalidRequest("record_stability_info needs a sampling session: recorded sequences belong to its session")
     if all(chunk.type == "encoded_text" for chunk in sample.prompt.chunks):
@@ -183,7 +111,7 @@ async def asample(request: Request) -> UntypedAPIFuture:
                               topk_prompt_logprobs=sample.topk_prompt_logprobs,
                               topk_sample_logprobs=sample.topk_sample_logprobs, target_prompt_logprobs=targets,
                               prompt_alt_tokens_k=sample.prompt_alt_tokens_k)
-    options = sampling_options(services, sample, prompt)
+    options = sampling_options(services, sample.sampling_params, prompt)
     check_sampled_tokens(services, sample.num_samples, options.max_tokens)
     sampling = SamplingRequest(prompt=prompt, options=options, num_samples=sample.num_samples, logprobs=logprobs)
     # Last, once nothing is left to refuse: the pin is let go of when the request is over.

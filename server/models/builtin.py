@@ -1,19 +1,35 @@
-"""The models a server serves as `builtin:<name>`, and the cache they are built into on first use.
+"""The models a server serves as `builtin:<name>` (or, hub-style, `builtin/<name>`), and the cache they are
+built into on first use.
 
 Each name maps to a builder that writes a complete HF model directory offline: the random tiny
 members of each family (`tiny.py`) and SmolLM2-135M-Instruct, real weights converted from the
-package that ships them (`smollm2.py`). Knows nothing about what is inside a model directory.
+package that ships them (`smollm2.py`). A built-in's tokenizer files are also put into the local hub
+cache as the model `builtin/<name>`, where the SDK's `get_tokenizer()` (which asks the hub for the
+model's name up to any ':') finds them offline. Knows nothing about what is inside a model directory.
 
     python -m server.models.builtin smollm2-135m-instruct --cache-dir data/models
 """
 
 import argparse
+import hashlib
+import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from server.models import smollm2, tiny
+
+logger = logging.getLogger(__name__)
+
+PREFIX, HUB_NAMESPACE = "builtin:", "builtin"
+"""`builtin:tiny-qwen3` and `builtin/tiny-qwen3` name the same model; the server reports the second, whose
+tokenizer the SDK loads."""
+TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                   "preprocessor_config.json", "generation_config.json")
+"""What AutoTokenizer and AutoProcessor read (never the weights)."""
 
 Builder = Callable[[Path, Path], object]
 """Writes the model into its first argument; the second is the cache, for downloads and other built-ins."""
@@ -25,6 +41,57 @@ BUILTIN_MODELS: dict[str, Builder] = {
     smollm2.VISION_NAME: lambda out, cache: smollm2.build_vision_model(
         out, ensure_builtin_model(smollm2.TEXT_NAME, cache)),
 }
+
+
+def builtin_name(model: str) -> str | None:
+    """The built-in's name in `builtin:<name>` or `builtin/<name>`; None for any other model."""
+    for prefix in (PREFIX, HUB_NAMESPACE + "/"):
+        if model.startswith(prefix):
+            return model[len(prefix):]
+    return None
+
+
+def spellings(model: str) -> set[str]:
+    """Every name of `model`: a built-in's two spellings, any other model's own."""
+    name = builtin_name(model)
+    return {model} if name is None else {PREFIX + name, f"{HUB_NAMESPACE}/{name}"}
+
+
+def served_name(model: str) -> str:
+    """The name the server reports for `model`: a built-in by its hub-style name, any other model as given."""
+    name = builtin_name(model)
+    return model if name is None else f"{HUB_NAMESPACE}/{name}"
+
+
+def register_in_hub_cache(name: str, model_dir: Path) -> None:
+    """Put the built-in's tokenizer files into the local hub cache as the model `builtin/<name>` (a snapshot
+    named by their content, as the hub names one by its commit), so that `from_pretrained("builtin/<name>")`
+    loads them on this machine without a hub. Best effort: a cache that cannot be written is logged."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    files = sorted(path for path in Path(model_dir).iterdir() if path.name in TOKENIZER_FILES)
+    digest = hashlib.sha1(b"".join(path.name.encode() + path.read_bytes() for path in files)).hexdigest()
+    repo = Path(HF_HUB_CACHE) / f"models--{HUB_NAMESPACE}--{name}"
+    snapshot = repo / "snapshots" / digest
+    try:
+        if not snapshot.is_dir():
+            snapshot.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{digest}.", dir=snapshot.parent))
+            for path in files:
+                shutil.copyfile(path, staging / path.name)
+            try:
+                staging.rename(snapshot)
+            except OSError:  # another server registered the same files first
+                shutil.rmtree(staging, ignore_errors=True)
+        ref = repo / "refs" / "main"
+        if not ref.is_file() or ref.read_text() != digest:
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            staged_ref = ref.with_name(f".main.{os.getpid()}")
+            staged_ref.write_text(digest)
+            staged_ref.replace(ref)
+    except OSError as error:
+        logger.warning("could not register %s/%s in the hub cache %s (%s): the SDK's get_tokenizer() will not find "
+                       "it offline", HUB_NAMESPACE, name, HF_HUB_CACHE, error)
 
 
 def ensure_builtin_model(name: str, cache_dir: Path) -> Path:

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from server.config import BUILTIN_PREFIX, ModelConfig
+from server.config import ModelConfig
 from server.models.attention import ATTENTION
 from server.models.image_processor import ImageProcessorSpec
 from server.models.registry import ModelFamily, VisionSpec, family_for
-from server.models.builtin import ensure_builtin_model
+from server.models.builtin import builtin_name, ensure_builtin_model, register_in_hub_cache, served_name
 from server.progress import Progress, on_terminal
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class LoadedVision:
 @dataclass
 class LoadedModel:
     name: str
-    """The name clients use (`base_model`)."""
+    """The name clients use (`base_model`); a built-in's hub-style one (`builtin/tiny-qwen3`)."""
     path: Path
     family: ModelFamily
     model: torch.nn.Module
@@ -53,13 +53,16 @@ class LoadedModel:
 
 
 def resolve_model_dir(config: ModelConfig) -> Path:
-    """Where the base model's files are: --model-path, the built-in builder, or the local hub cache."""
+    """Where the base model's files are: --model-path, the built-in builder (registered in the local hub cache
+    for the SDK's tokenizer lookup), or the local hub cache."""
     if config.model_path is not None:
         if not (config.model_path / "config.json").exists():
             raise ValueError(f"--model-path {config.model_path} has no config.json")
         return config.model_path.resolve()
-    if config.base_model.startswith(BUILTIN_PREFIX):
-        return ensure_builtin_model(config.base_model[len(BUILTIN_PREFIX):], config.model_cache_dir)
+    if (name := builtin_name(config.base_model)) is not None:
+        path = ensure_builtin_model(name, config.model_cache_dir)
+        register_in_hub_cache(name, path)
+        return path
     from huggingface_hub import snapshot_download
 
     try:
@@ -85,7 +88,7 @@ def load_base_model(config: ModelConfig, device: torch.device | str | None = Non
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     eos = model.generation_config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else (tokenizer.eos_token_id,))
-    return LoadedModel(name=config.base_model, path=path, family=family, model=model, tokenizer=tokenizer,
+    return LoadedModel(name=served_name(config.base_model), path=path, family=family, model=model, tokenizer=tokenizer,
                        vocab_size=model.get_input_embeddings().num_embeddings, eos_token_ids=eos_ids,
                        vision=_load_vision(family.vision, path, hf_config, tokenizer))
 

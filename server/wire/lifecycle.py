@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Literal, Union
 
-from pydantic import AwareDatetime, Field, model_validator
+from pydantic import AwareDatetime, Base64Bytes, Field, model_validator
 
 from server.wire.types import (MAX_LIST_LENGTH, MAX_METADATA_KEYS, CheckpointName, Id, Int32, Name, SeqId, TtlSeconds,
                                WireRequest, WireResponse)
@@ -173,3 +173,24 @@ class SessionSummary(WireResponse):
 class SessionSearchResponse(WireResponse):
     sessions: list[SessionSummary]
     next_cursor: SessionSearchCursor | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# This server's own: importing a PEFT LoRA adapter made elsewhere (POST /api/v1/adapters/import).
+
+
+class ImportAdapterRequest(WireRequest):
+    name: CheckpointName
+    """The name of the two checkpoints the import makes (weights/NAME and sampler_weights/NAME)."""
+    adapter_config: dict
+    """adapter_config.json, as PEFT wrote it."""
+    adapter_model: Base64Bytes
+    """adapter_model.safetensors, base64-encoded."""
+
+
+class ImportAdapterResponse(WireResponse):
+    training_run_id: str
+    tinker_path: str
+    """weights/NAME: for create_training_client_from_state."""
+    sampler_path: str
+    """sampler_weights/NAME: for create_sampling_client."""

@@ -6,6 +6,7 @@ import pytest
 import tinker
 from tinker import types
 
+from server.models.builtin import served_name
 from support.live_server import BASE_MODEL
 from support.sdk import (SENTENCES, check_sampling_parameters, forward_logprobs, peft_logprobs, prompt_of,
                          supervised_datum)
@@ -135,11 +136,11 @@ def test_rest_listings_and_checkpoint_deletion(service_client, trained):
     assert listed[state].checkpoint_type == "training" and listed[sampler_path].checkpoint_type == "sampler"
     assert listed[state].size_bytes > listed[sampler_path].size_bytes > 0
     run = rest.get_training_run(tc.model_id).result()
-    assert run.base_model == BASE_MODEL and run.is_lora and run.lora_rank == 8
+    assert run.base_model == served_name(BASE_MODEL) and run.is_lora and run.lora_rank == 8
     runs = rest.list_training_runs().result()
     assert tc.model_id in [r.training_run_id for r in runs.training_runs]
     info = rest.get_weights_info_by_tinker_path(state).result()
-    assert info.base_model == BASE_MODEL and info.lora_rank == 8
+    assert info.base_model == served_name(BASE_MODEL) and info.lora_rank == 8
     rest.delete_checkpoint_from_tinker_path(sampler_path).result()
     remaining = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
     assert sampler_path not in remaining and state in remaining

@@ -1,6 +1,8 @@
 """API keys and tenants: every route but healthz and the docs page needs a key an operator issued; a tenant
 sees only its own sessions, runs, checkpoints, samplers and futures (another tenant's are not found, 404)."""
 
+import base64
+import json
 import re
 import subprocess
 import sys
@@ -9,6 +11,8 @@ import time
 import httpx
 import pytest
 import tinker
+import torch
+from safetensors.torch import save
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
@@ -37,7 +41,18 @@ def owned(server):
         while http.post("/api/v1/retrieve_future", json={"request_id": request_id}).status_code == 408:
             pass
     return dict(key=key, session=session, model=tc.model_id, data=data, state=state,
-                sampler_path=sampler_path, sampler=sampler["sampling_session_id"], request=request_id, training=tc)
+                sampler_path=sampler_path, sampler=sampler["sampling_session_id"], request=request_id, training=tc,
+                adapter=_peft_adapter_body(server.data_dir / "models" / "tiny-qwen3"))
+
+
+def _peft_adapter_body(model_dir) -> dict:
+    """An adapters/import body: a rank-1 PEFT adapter on layer 0's q_proj, shaped from the model's config."""
+    config = json.loads((model_dir / "config.json").read_text())
+    module = "base_model.model.model.layers.0.self_attn.q_proj"
+    weights = save({f"{module}.lora_A.weight": torch.zeros(1, config["hidden_size"]),
+                    f"{module}.lora_B.weight": torch.zeros(config["num_attention_heads"] * config["head_dim"], 1)})
+    return {"name": "imported", "adapter_model": base64.b64encode(weights).decode(),
+            "adapter_config": {"peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": ["q_proj"]}}
 
 
 def every_route(owned: dict, own_session: str) -> list[tuple[str, str, dict]]:
@@ -99,6 +114,12 @@ def every_route(owned: dict, own_session: str) -> list[tuple[str, str, dict]]:
         ("PUT", f"/api/v1/sessions/{a['session']}/project", dict(json={"project_id": "p"})),
         ("POST", "/api/v1/sessions/search", dict(json={})),
         ("GET", "/api/v1/dashboard/overview", {}),
+        ("POST", "/api/v1/adapters/import", dict(json=a["adapter"])),
+        ("GET", "/oai/api/v1/models", {}),
+        ("POST", "/oai/api/v1/chat/completions", dict(json={"model": a["sampler_path"], "max_tokens": 1,
+                                                            "messages": [{"role": "user", "content": "Hi"}]})),
+        ("POST", "/oai/api/v1/completions", dict(json={"model": a["sampler_path"], "prompt": [1, 2],
+                                                       "max_tokens": 1})),
         ("GET", f"/api/v1/dashboard/runs/{a['model']}/curves", {}),
         ("GET", "/metrics", {}),
         ("GET", "/openapi.json", {}),
@@ -108,7 +129,8 @@ def every_route(owned: dict, own_session: str) -> list[tuple[str, str, dict]]:
 # Routes that name no resource of anyone's answer a second tenant normally (listings show its own only).
 NAMES_NO_RESOURCE = {"/api/v1/client/config", "/api/v1/telemetry", "/api/v1/get_server_capabilities",
                      "/api/v1/create_session", "/api/v1/sessions", "/api/v1/training_runs", "/api/v1/checkpoints",
-                     "/api/v1/sessions/search", "/api/v1/dashboard/overview", "/openapi.json"}
+                     "/api/v1/sessions/search", "/api/v1/dashboard/overview", "/openapi.json", "/oai/api/v1/models",
+                     "/api/v1/adapters/import"}
 # Signed download URLs take no key: the signature is the permission (a forged one is a 403).
 SIGNED = "/api/v1/external_weights/"
 

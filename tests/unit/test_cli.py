@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from server.config import (DEFAULT_VLLM_PYTHON, REPO_ROOT, ModelConfig, build_arg_parser, build_keys_arg_parser,
-                           parse_config, parse_keys_command)
+from server.config import (DEFAULT_VLLM_PYTHON, REPO_ROOT, ModelConfig, build_adapters_arg_parser, build_arg_parser,
+                           build_export_arg_parser, build_keys_arg_parser, parse_config, parse_keys_command)
 from server.keys import run_keys_command
 from server.sampling.vllm_process import ServedModel, vllm_command
 
@@ -68,18 +68,25 @@ KEYS_CLI_OPTIONS = {
     "list": {"-h", "--help", "--tenant", "--data-dir", "--database-url"},
     "revoke": {"-h", "--help", "--data-dir", "--database-url"},
 }
+ADAPTERS_CLI_OPTIONS = {
+    "import": {"-h", "--help", "--tenant", "--name", "--base-model", "--model-path", "--max-lora-rank", "--data-dir",
+               "--database-url"},
+}
+EXPORT_CLI_OPTIONS = {"-h", "--help", "--merged", "--out", "--model-path", "--data-dir", "--database-url"}
 DATABASE_URL_ENV = "TINKER_SERVER_DATABASE_URL"
 
 
 def test_the_cli_has_exactly_the_frozen_set_of_options():
-    parser = build_arg_parser()
-    assert {option for action in parser._actions for option in action.option_strings} == CLI_OPTIONS
+    for parser, frozen in ((build_arg_parser(), CLI_OPTIONS), (build_export_arg_parser(), EXPORT_CLI_OPTIONS)):
+        assert {option for action in parser._actions for option in action.option_strings} == frozen
 
 
-def test_the_keys_cli_has_exactly_the_frozen_commands_and_options():
-    actions = next(a for a in build_keys_arg_parser()._actions if a.dest == "action")
-    assert {name: {o for a in sub._actions for o in a.option_strings}
-            for name, sub in actions.choices.items()} == KEYS_CLI_OPTIONS
+def test_the_keys_and_adapters_clis_have_exactly_the_frozen_commands_and_options():
+    for parser, frozen in ((build_keys_arg_parser(), KEYS_CLI_OPTIONS),
+                           (build_adapters_arg_parser(), ADAPTERS_CLI_OPTIONS)):
+        actions = next(a for a in parser._actions if a.dest == "action")
+        assert {name: {o for a in sub._actions for o in a.option_strings}
+                for name, sub in actions.choices.items()} == frozen
 
 
 def test_keys_commands_find_the_servers_database_like_the_server(tmp_path, monkeypatch):
@@ -229,8 +236,9 @@ def _option_help_lines(parser) -> dict[str, str]:
 
 
 def test_every_flag_has_a_help_text_that_names_its_default():
-    keys_parsers = next(a for a in build_keys_arg_parser()._actions if a.dest == "action").choices.values()
-    for parser in (build_arg_parser(), *keys_parsers):
+    subcommands = [parser for cli in (build_keys_arg_parser(), build_adapters_arg_parser())
+                   for parser in next(a for a in cli._actions if a.dest == "action").choices.values()]
+    for parser in (build_arg_parser(), build_export_arg_parser(), *subcommands):
         for option, text in _option_help_lines(parser).items():
             assert len(text) > 20 and ("default" in text or "required" in text), (option, text)
 
