@@ -67,9 +67,9 @@ def parse_args() -> argparse.Namespace:
                         help="client processes a burst is split over (each its own SDK client), as many users send "
                              "at once; 1 is one RL loop's process")
     parser.add_argument("--client", choices=["sdk", "http"], default="sdk",
-                        help="how the --clients processes send a burst: the tinker SDK, or plain HTTP (httpx, the SDK's "
-                             "own request bodies, asample then retrieve_future) to measure the server without the "
-                             "SDK's own cost per request")
+                        help="how the --clients processes send a burst: the tinker SDK, or plain HTTP (httpx, the "
+                             "SDK's own request bodies, asample then retrieve_future) to measure the server without "
+                             "the SDK's own cost per request")
     parser.add_argument("--sides", default="server")
     parser.add_argument("--server-args", default="", help="more flags for python -m server")
     parser.add_argument("--vllm-python", type=Path, default=REPO_ROOT / ".venv-vllm" / "bin" / "python")

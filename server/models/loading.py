@@ -13,7 +13,6 @@ import torch
 import transformers
 
 from server.config import ModelConfig
-from server.models.attention import ATTENTION
 from server.models.image_processor import ImageProcessorSpec
 from server.models.registry import ModelFamily, VisionSpec, family_for
 from server.models.builtin import builtin_name, ensure_builtin_model, register_in_hub_cache, served_name
@@ -82,7 +81,7 @@ def load_base_model(config: ModelConfig, device: torch.device | str | None = Non
         hf_config = transformers.AutoConfig.from_pretrained(path)
         family = family_for(hf_config.model_type)
         auto_class = getattr(transformers, family.auto_class)
-        model = auto_class.from_pretrained(path, dtype=getattr(torch, config.dtype), attn_implementation=ATTENTION)
+        model = auto_class.from_pretrained(path, dtype=getattr(torch, config.dtype), attn_implementation="sdpa")
         step.note(f"moving to {device}")
         model.to(device).eval().requires_grad_(False)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)

@@ -57,8 +57,10 @@ TtlSeconds = Annotated[int, Field(ge=MIN_TTL_SECONDS, le=MAX_TTL_SECONDS)]
 
 # Free-form text the journal keeps (names, tags, metadata), bounded so that no key holder can fill the
 # disk or the answers of sessions/search through it; each refusal is a 400 that names the field.
-MAX_NAME_LENGTH = 256
-"""Display names, project ids, tags, checkpoint names, SDK versions."""
+MAX_NAME_LENGTH = 4096
+"""Display names, project ids, tags, loss names, SDK versions (the cookbook names a session by its log path)."""
+MAX_CHECKPOINT_NAME_LENGTH = 255
+"""A checkpoint's name is a directory's name."""
 MAX_LIST_LENGTH = 64
 """Tags of a session, project ids of a search, age recipients."""
 MAX_METADATA_KEYS = 64
@@ -488,8 +490,9 @@ def _check_checkpoint_name(name: str) -> str:
     # A tinker path is tinker://{run}/{segment}/{name}; the SDK parser needs exactly three parts.
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"checkpoint name {name!r} must be non-empty and contain no '/'")
-    if len(name) > MAX_NAME_LENGTH:
-        raise ValueError(f"checkpoint name of {len(name)} characters is over the limit of {MAX_NAME_LENGTH}")
+    if len(name.encode()) > MAX_CHECKPOINT_NAME_LENGTH:
+        raise ValueError(f"checkpoint name of {len(name.encode())} bytes is over the limit of "
+                         f"{MAX_CHECKPOINT_NAME_LENGTH}")
     return name
 
 

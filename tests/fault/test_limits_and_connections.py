@@ -36,7 +36,7 @@ def test_free_form_fields_are_bounded_with_a_400_that_names_the_limit(guarded):
             "100,000 user_metadata keys": http.post("/api/v1/create_session", json={
                 "user_metadata": {str(i): "v" for i in range(100_000)}}),
             "65 tags": http.post("/api/v1/create_session", json={"tags": ["t"] * 65}),
-            "a search by 300 characters": http.post("/api/v1/sessions/search", json={"display_name": "w" * 300}),
+            "a search by 5,000 characters": http.post("/api/v1/sessions/search", json={"display_name": "w" * 5000}),
         }
         run = RawRun(http)
         refused["a run's 20 KiB user_metadata"] = http.post("/api/v1/create_model", json={
@@ -48,9 +48,9 @@ def test_free_form_fields_are_bounded_with_a_400_that_names_the_limit(guarded):
         many_datums.data.extend([many_datums.data[0]] * 4096)
         refused["4,097 datums"] = run.forward(many_datums.SerializeToString())
         expected = {"a 20 MiB display_name": "display_name", "100,000 user_metadata keys": "over the limit of 64",
-                    "65 tags": "tags", "a search by 300 characters": "display_name",
+                    "65 tags": "tags", "a search by 5,000 characters": "display_name",
                     "a run's 20 KiB user_metadata": f"over the limit of {MAX_METADATA_BYTES}",
-                    "a 300-character checkpoint name": "over the limit of 256",
+                    "a 300-character checkpoint name": "over the limit of 255",
                     "4,097 datums": "--max-datums-per-request"}
         for what, response in refused.items():
             assert response.status_code == 400 and expected[what] in response.json()["detail"], (what, response.text)
