@@ -6,8 +6,9 @@ and its cache is merged into the batch's, left-padded, with an attention mask an
 positions for every row; it leaves the batch when its last sample stops, so a long request never
 holds a short one. Rows of any mix of adapters share every forward (one adapter per row,
 training/lora.py), and the batch stays within a token budget. A request's samples join a few at a
-time when they do not all fit, and one request holds at most half the budget while others wait, so a
-huge request never holds a small one for more than the time its running rows take to stop. Each
+time when they do not all fit, and one request holds at most half the budget while others wait; an
+eighth of the batch's rows (at least one) is kept for the first row of requests that have none, so
+a request that arrives while long rows fill the batch starts at the next step. Each
 sample draws with its own generator (sample i of seed s with seed s + i, as vLLM), so its tokens do
 not depend on what else is in the batch or on when it joined.
 
@@ -62,6 +63,9 @@ _STOP_WINDOW_MARGIN = 8
 # Padded prompt tokens prefilled in one step: newcomers beyond it wait a step, so that the
 # running rows are not held for long by a burst of long prompts.
 _MAX_PREFILL_TOKENS = 8192
+# One row in this many of the batch (at least one) is kept for the first row of a request that has
+# none: another tenant's short request never waits for long rows to stop.
+_NEWCOMER_ROWS_EVERY = 8
 
 
 @dataclass
@@ -440,7 +444,12 @@ class _Batch:
         # After the merge every row is left-padded to the same width, then grows until it stops.
         width = max(self.mask_RL.shape[1], longest)
         remaining = max(joining.tokens_left, active.request.options.max_tokens)
-        return max(0, self.max_batch_tokens // (width + remaining) - len(self.rows) - joining.num_rows)
+        capacity = self.max_batch_tokens // (width + remaining)
+        free = capacity - len(self.rows) - joining.num_rows
+        kept = max(1, capacity // _NEWCOMER_ROWS_EVERY) if capacity > 1 else 0
+        if active.num_admitted == 0 and free > 0:
+            return max(1, free - kept)  # its first row may take one of the rows kept for newcomers
+        return max(0, free - kept)
 
     def prefill(self, parts: list[_Part]) -> None:
         """Prefill the newcomers' prompts, sample their first tokens and merge them into the batch: those that

@@ -221,10 +221,10 @@ def test_a_small_request_of_another_tenant_is_not_held_by_a_huge_one_admitted_in
     huge_rows = [row_ranks.count(4) for row_ranks in ranks]
     small_forwards = [step for step, row_ranks in enumerate(ranks) if 8 in row_ranks]
     # The huge request never had all its rows in the batch: it joined a few samples at a time, within the budget.
-    assert max(huge_rows) == budget // (4 + 24) < huge.num_samples
+    assert max(huge_rows) == budget // (4 + 24) - 1 < huge.num_samples  # one row kept for newcomers
     assert max(rows * width for rows, width in forwards) <= budget
     # The small one ran beside it and was done while the huge one still had rows to decode.
-    assert small_forwards and huge_rows[small_forwards[0]] > 0
+    assert small_forwards and huge_rows[small_forwards[-1]] > 0  # its prefill runs alone, its decode beside
     assert sum(huge_rows[small_forwards[-1] + 1:]) > 0
     # Admitted in parts and interleaved, every sample is what the huge request gets in one batch.
     in_one_batch = engine.sample(huge)
@@ -258,13 +258,51 @@ def test_two_huge_requests_share_the_batch_half_and_half_once_both_wait(models_d
         fair.close()
     first_rows = [row_ranks.count(4) for row_ranks in ranks]
     second_rows = [row_ranks.count(8) for row_ranks in ranks]
-    assert max(first_rows) == 6  # alone, the first filled the budget
+    assert max(first_rows) == 5  # alone, the first filled the budget but the row kept for newcomers
     joined = second_rows.index(next(rows for rows in second_rows if rows))
     last_of_first = max(step for step, rows in enumerate(first_rows) if rows)
     assert joined < last_of_first  # the second got rows long before the first was done
     # From then on, while both had rows to run, each held half the budget, neither more.
     shared = list(zip(first_rows, second_rows))[joined:last_of_first + 1]
     assert max(max(pair) for pair in shared) == 3
+
+
+def test_a_newcomer_starts_at_once_beside_long_rows_that_fill_the_batch(models_dir, reference, engine):
+    base, targets, _ = reference
+    budget = 8 * (4 + 24)  # eight rows of 4 prompt + 24 sampled tokens, one of them kept for newcomers
+    ranks: list[list[int]] = []
+    short_sent = threading.Event()
+
+    def log(engine_model, call):  # the third forward (the long rows decoding) waits for the short request
+        ranks.append(adapter_rank_per_row(engine_model.slot.layers[0], call["attention_mask"].shape[0]))
+        if len(ranks) == 3:
+            assert short_sent.wait(timeout=120)
+
+    fair = logged_engine(BASE_MODEL, models_dir, log, max_batch_tokens=budget)
+    prompt = prompts(base)[1]
+    long = SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=24, seed=3), num_samples=8,
+                           adapter=AdapterRef(name="long", directory=None, weights=adapter(targets, 3, 4)))
+    short = SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=3, seed=4),
+                            adapter=AdapterRef(name="short", directory=None, weights=adapter(targets, 4, 8)))
+    try:
+        long_future = fair.submit(long)
+        while len(ranks) < 3:
+            threading.Event().wait(0.01)
+        short_future = fair.submit(short)
+        short_sent.set()
+        results = {"long": long_future.result(), "short": short_future.result()}
+    finally:
+        short_sent.set()
+        fair.close()
+    long_rows = [row_ranks.count(4) for row_ranks in ranks]
+    short_steps = [step for step, row_ranks in enumerate(ranks) if 8 in row_ranks]
+    assert max(long_rows) == 7  # every row but the one kept for newcomers
+    # The short request ran beside the long rows, not after them: prefilled at the next step, then decoded
+    # beside all seven, and done long before they stopped.
+    assert short_steps == [3, 4, 5] and all(long_rows[step] == 7 for step in short_steps[1:])
+    assert short_steps[-1] < max(step for step, rows in enumerate(long_rows) if rows == 7)
+    assert_same_samples(results["short"], engine.sample(short))
+    assert_same_samples(results["long"], engine.sample(long))
 
 
 def test_sample_i_of_seed_s_is_sample_0_of_seed_s_plus_i_as_on_vllm(engine, reference):
