@@ -120,6 +120,7 @@ class SamplerAdapters:
         if not directory.exists():
             raise NotFound(f"checkpoint files at {directory.name} are gone")
         adapter = load_checkpoint(directory, self.device, with_optimizer=False).adapter.frozen_copy()
+        adapter.check_finite("the checkpoint's weights")  # one saved before optim_step refused to make them
         with self._lock:
             self._saved[directory] = adapter
             while len(self._saved) > self.config.max_loaded_adapters:

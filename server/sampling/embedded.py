@@ -6,9 +6,9 @@ and its cache is merged into the batch's, left-padded, with an attention mask an
 positions for every row; it leaves the batch when its last sample stops, so a long request never
 holds a short one. Rows of any mix of adapters share every forward (one adapter per row,
 training/lora.py), and the batch stays within a token budget. A request's samples join a few at a
-time when they do not all fit, and one request holds at most half the budget while others wait; an
-eighth of the batch's rows (at least one) is kept for the first row of requests that have none, so
-a request that arrives while long rows fill the batch starts at the next step. Each
+time when they do not all fit, and one request holds at most half the budget while others wait; a
+request with no row yet may take one beyond the budget (such rows add at most an eighth, at least
+one), so a request that arrives while long rows fill the batch starts at the next step. Each
 sample draws with its own generator (sample i of seed s with seed s + i, as vLLM), so its tokens do
 not depend on what else is in the batch or on when it joined.
 
@@ -63,9 +63,9 @@ _STOP_WINDOW_MARGIN = 8
 # Padded prompt tokens prefilled in one step: newcomers beyond it wait a step, so that the
 # running rows are not held for long by a burst of long prompts.
 _MAX_PREFILL_TOKENS = 8192
-# One row in this many of the batch (at least one) is kept for the first row of a request that has
-# none: another tenant's short request never waits for long rows to stop.
-_NEWCOMER_ROWS_EVERY = 8
+# A request with no row yet may take one beyond the budget, as long as such rows add at most one in this
+# many of the rows that fit (at least one): another tenant's short request never waits for long rows to stop.
+_NEWCOMER_HEADROOM = 8
 
 
 @dataclass
@@ -446,10 +446,9 @@ class _Batch:
         remaining = max(joining.tokens_left, active.request.options.max_tokens)
         capacity = self.max_batch_tokens // (width + remaining)
         free = capacity - len(self.rows) - joining.num_rows
-        kept = max(1, capacity // _NEWCOMER_ROWS_EVERY) if capacity > 1 else 0
-        if active.num_admitted == 0 and free > 0:
-            return max(1, free - kept)  # its first row may take one of the rows kept for newcomers
-        return max(0, free - kept)
+        if free <= 0 and active.num_admitted == 0 and -free < max(1, capacity // _NEWCOMER_HEADROOM):
+            return 1  # a request with no row yet gets one in the headroom over the budget
+        return max(0, free)
 
     def prefill(self, parts: list[_Part]) -> None:
         """Prefill the newcomers' prompts, sample their first tokens and merge them into the batch: those that

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from server.errors import InvalidRequest
 from server.models.registry import ModelFamily
 from server.training.adapter_settings import AdapterSettings
 from server.training.lora_experts import ExpertProjection, LoraExperts, is_routed_experts
@@ -160,6 +161,12 @@ class SharedInput:
         return mids[adapted.index(index)]
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element is a finite number: the largest magnitude is NaN or inf exactly when some element
+    is, so one reduction covers every tensor."""
+    return not tensors or math.isfinite(float(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)))
+
+
 class LoraAdapter:
     """One run's LoRA weights (fp32), keyed by target module name."""
 
@@ -188,6 +195,13 @@ class LoraAdapter:
     def parameters(self) -> list[torch.Tensor]:
         """Trainable tensors in a fixed order (the optimizer's order)."""
         return [t for name in sorted(self.lora_A) for t in (self.lora_A[name], self.lora_B[name])]
+
+    def check_finite(self, whose: str) -> None:
+        """Non-finite weights are never saved, served or loaded (optim_step refuses to make them; a checkpoint
+        written before it did may hold them)."""
+        if not all_finite(self.parameters()):
+            raise InvalidRequest(f"{whose} are not finite; they cannot be saved, sampled or trained. Load a "
+                                 f"checkpoint saved before the run went bad")
 
     def frozen_copy(self, device: torch.device | str | None = None) -> "LoraAdapter":
         """A detached snapshot (on `device`, by default where it is), unaffected by later optimizer steps."""

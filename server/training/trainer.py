@@ -30,8 +30,8 @@ from server.models.vision_features import VisionEncoder
 from server.rendering.training import TrainingExample
 from server.training import checkpoint_io
 from server.training.forward import TargetLogprobs
-from server.training.lora import (AdapterStack, LoraAdapter, LoraTarget, apply_lora_wrappers, select_targets,
-                                  use_adapter, use_adapter_rows)
+from server.training.lora import (AdapterStack, LoraAdapter, LoraTarget, all_finite, apply_lora_wrappers,
+                                  select_targets, use_adapter, use_adapter_rows)
 from server.training.losses import DatumLoss, MicrobatchLoss, combine_metrics, resolve_loss
 from server.training.operations import ForwardBackward
 from server.training.parallel import TrainingGroup, prepare_blocks
@@ -109,11 +109,6 @@ def _optimizer_tensors(optimizer: torch.optim.AdamW) -> list[torch.Tensor]:
     return tensors
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    # The largest magnitude is NaN or inf exactly when some element is; one reduction for all tensors.
-    return not tensors or math.isfinite(float(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)))
-
-
 def _copy_of_optimizer(optimizer: torch.optim.AdamW) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     return [(parameter.detach().clone(), {k: v.clone() for k, v in optimizer.state.get(parameter, {}).items()})
             for group in optimizer.param_groups for parameter in group["params"]]
@@ -128,14 +123,6 @@ def _restore_optimizer(optimizer: torch.optim.AdamW, copy: list[tuple[torch.Tens
                 optimizer.state[parameter] = state
             else:
                 optimizer.state.pop(parameter, None)
-
-
-def _check_finite(adapter: LoraAdapter, whose: str) -> None:
-    """Non-finite weights are never saved, served or loaded (optim_step refuses to make them; a checkpoint
-    written before it did may hold them)."""
-    if not _all_finite(list(adapter.parameters())):
-        raise InvalidRequest(f"{whose} are not finite; they cannot be saved, sampled or trained. Load a checkpoint "
-                             f"saved before the run went bad")
 
 
 def build_trainer(config: ServerConfig, group: TrainingGroup) -> "Trainer":
@@ -391,7 +378,7 @@ class Trainer:
         before = _copy_of_optimizer(run.optimizer)
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
-        if not _all_finite(_optimizer_tensors(run.optimizer)):
+        if not all_finite(_optimizer_tensors(run.optimizer)):
             _restore_optimizer(run.optimizer, before)
             raise InvalidRequest(f"this optim_step would have made the weights of {model_id} non-finite; it was not "
                                  f"applied and the gradients were cleared: the weights and optimizer state are as they "
@@ -420,21 +407,21 @@ class Trainer:
     def copy_state(self, model_id: str, with_optimizer: bool) -> checkpoint_io.AdapterState:
         """The adapter (and the optimizer moments) in host memory, for a checkpoint written off this thread."""
         run = self.get(model_id)
-        _check_finite(run.adapter, f"the weights of {model_id}")
+        run.adapter.check_finite(f"the weights of {model_id}")
         return checkpoint_io.copy_state(run.adapter, run.optimizer if with_optimizer else None, run.lora_config,
                                         run.num_steps, self.base.name)
 
     def snapshot(self, model_id: str) -> LoraAdapter:
         """A frozen copy of the current adapter, for an ephemeral sampling session."""
         run = self.get(model_id)
-        _check_finite(run.adapter, f"the weights of {model_id}")
+        run.adapter.check_finite(f"the weights of {model_id}")
         return run.adapter.frozen_copy()
 
     def load_state(self, model_id: str, directory, with_optimizer: bool) -> None:
         """Replace an existing run's weights (and optimizer moments) with a checkpoint's (on every rank)."""
         run = self.get(model_id)
         loaded = checkpoint_io.load_checkpoint(directory, self.device, with_optimizer)
-        _check_finite(loaded.adapter, "the checkpoint's weights")
+        loaded.adapter.check_finite("the checkpoint's weights")
         if loaded.lora_config.rank != run.lora_config.rank or loaded.adapter.lora_A.keys() != run.adapter.lora_A.keys():
             raise InvalidRequest(f"checkpoint has rank {loaded.lora_config.rank} and other layers than run "
                                  f"{model_id} (rank {run.lora_config.rank})")
@@ -444,7 +431,7 @@ class Trainer:
     def create_model_from_checkpoint(self, model_id: str, directory, with_optimizer: bool) -> LoraConfig:
         """Start a run from a checkpoint (create-via-load, on every rank); returns the LoRA config it carried."""
         loaded = checkpoint_io.load_checkpoint(directory, self.device, with_optimizer)
-        _check_finite(loaded.adapter, "the checkpoint's weights")
+        loaded.adapter.check_finite("the checkpoint's weights")
         self._lead("create_model_from_checkpoint", model_id, directory, with_optimizer)
         self._install(model_id, loaded.lora_config, loaded)
         return loaded.lora_config

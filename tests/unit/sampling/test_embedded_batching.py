@@ -221,7 +221,7 @@ def test_a_small_request_of_another_tenant_is_not_held_by_a_huge_one_admitted_in
     huge_rows = [row_ranks.count(4) for row_ranks in ranks]
     small_forwards = [step for step, row_ranks in enumerate(ranks) if 8 in row_ranks]
     # The huge request never had all its rows in the batch: it joined a few samples at a time, within the budget.
-    assert max(huge_rows) == budget // (4 + 24) - 1 < huge.num_samples  # one row kept for newcomers
+    assert max(huge_rows) == budget // (4 + 24) < huge.num_samples
     assert max(rows * width for rows, width in forwards) <= budget
     # The small one ran beside it and was done while the huge one still had rows to decode.
     assert small_forwards and huge_rows[small_forwards[-1]] > 0  # its prefill runs alone, its decode beside
@@ -258,7 +258,7 @@ def test_two_huge_requests_share_the_batch_half_and_half_once_both_wait(models_d
         fair.close()
     first_rows = [row_ranks.count(4) for row_ranks in ranks]
     second_rows = [row_ranks.count(8) for row_ranks in ranks]
-    assert max(first_rows) == 5  # alone, the first filled the budget but the row kept for newcomers
+    assert max(first_rows) == 6  # alone, the first filled the budget
     joined = second_rows.index(next(rows for rows in second_rows if rows))
     last_of_first = max(step for step, rows in enumerate(first_rows) if rows)
     assert joined < last_of_first  # the second got rows long before the first was done
@@ -269,7 +269,7 @@ def test_two_huge_requests_share_the_batch_half_and_half_once_both_wait(models_d
 
 def test_a_newcomer_starts_at_once_beside_long_rows_that_fill_the_batch(models_dir, reference, engine):
     base, targets, _ = reference
-    budget = 8 * (4 + 24)  # eight rows of 4 prompt + 24 sampled tokens, one of them kept for newcomers
+    budget = 8 * (4 + 24)  # eight rows of 4 prompt + 24 sampled tokens: the long request's eight samples
     ranks: list[list[int]] = []
     short_sent = threading.Event()
 
@@ -296,11 +296,11 @@ def test_a_newcomer_starts_at_once_beside_long_rows_that_fill_the_batch(models_d
         fair.close()
     long_rows = [row_ranks.count(4) for row_ranks in ranks]
     short_steps = [step for step, row_ranks in enumerate(ranks) if 8 in row_ranks]
-    assert max(long_rows) == 7  # every row but the one kept for newcomers
-    # The short request ran beside the long rows, not after them: prefilled at the next step, then decoded
-    # beside all seven, and done long before they stopped.
-    assert short_steps == [3, 4, 5] and all(long_rows[step] == 7 for step in short_steps[1:])
-    assert short_steps[-1] < max(step for step, rows in enumerate(long_rows) if rows == 7)
+    assert max(long_rows) == 8  # the whole budget
+    # The short request ran beside the long rows, not after them: prefilled at the next step in a row over the
+    # budget, then decoded beside all eight, and done long before they stopped.
+    assert short_steps == [3, 4, 5] and all(long_rows[step] == 8 for step in short_steps[1:])
+    assert short_steps[-1] < max(step for step, rows in enumerate(long_rows) if rows == 8)
     assert_same_samples(results["short"], engine.sample(short))
     assert_same_samples(results["long"], engine.sample(long))
 

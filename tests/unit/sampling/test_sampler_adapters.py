@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from server.config import SamplerConfig
-from server.errors import NotFound
+from server.errors import InvalidRequest, NotFound
 from server.sampling.adapters import SamplerAdapters
 from server.training.checkpoint_io import save_peft_adapter
 from server.training.lora import LoraAdapter, LoraTarget
@@ -72,3 +72,14 @@ def test_saved_adapters_are_reloaded_after_eviction(tmp_path):
     assert reloaded_a is not loaded_a
     name = TARGETS[0].name
     torch.testing.assert_close(reloaded_a.lora_A[name], first.lora_A[name].detach())
+
+
+def test_a_saved_adapter_with_non_finite_weights_is_refused_not_sampled(tmp_path):
+    # As an older server may have saved it, before optim_step refused to make such weights.
+    poisoned = _adapter(3)
+    poisoned.lora_B[TARGETS[0].name].data[0, 0] = float("nan")
+    save_peft_adapter(tmp_path / "poisoned", poisoned, "base")
+    adapters = SamplerAdapters(SamplerConfig(), "cpu")
+    with pytest.raises(InvalidRequest, match="the checkpoint's weights are not finite"):
+        adapters.saved(tmp_path / "poisoned")
+    assert adapters.cached(tmp_path / "poisoned") is None
