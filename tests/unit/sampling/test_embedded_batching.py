@@ -286,7 +286,7 @@ def test_a_newcomer_starts_at_once_beside_long_rows_that_fill_the_batch(models_d
                             adapter=AdapterRef(name="short", directory=None, weights=adapter(targets, 4, 8)))
     try:
         long_future = fair.submit(long)
-        while len(ranks) < 3:
+        while len(ranks) < 3 and not long_future.done():  # a failed engine ends the wait too
             threading.Event().wait(0.01)
         short_future = fair.submit(short)
         short_sent.set()
