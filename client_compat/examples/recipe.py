@@ -110,7 +110,7 @@ def run(cli: RecipeConfig, renderer: ChatRenderer, recipe_name: str, dataset: RL
     load_checkpoint_path = cli.load_checkpoint_path
     if cli.warm_start_steps:
         training = tinker.ServiceClient(base_url=cli.base_url).create_lora_training_client(
-            base_model=cli.model_name, rank=cli.lora_rank)
+            base_model=cli.model_name, rank=cli.lora_rank).result()
         history = supervised_steps(training, warm_start_batch, cli.warm_start_steps, cli.warm_start_learning_rate)
         Path(cli.log_path).mkdir(parents=True, exist_ok=True)
         (Path(cli.log_path) / "warm_start.jsonl").write_text("".join(json.dumps(row) + "\n" for row in history))
