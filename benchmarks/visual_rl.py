@@ -27,8 +27,8 @@ import math
 import os
 import subprocess
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -173,21 +173,16 @@ def main() -> None:
     server = start_server(args.work_dir / "server", None, args.models_dir.resolve(), "--device", args.device,
                           *args.server_args.split(), base_model=args.base_model)
     results, errors = {}, []
-
-    def run(name):
-        try:
-            results[name] = run_job(name, server, model_dir, args, deadline)
-        except BaseException as error:  # reported after every job ends
-            errors.append((name, repr(error)))
-
-    threads = [threading.Thread(target=run, args=(name,)) for name in names]
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        with ThreadPoolExecutor(len(names)) as pool:
+            running = {name: pool.submit(run_job, name, server, model_dir, args, deadline) for name in names}
     finally:
         server.stop()
+    for name, future in running.items():  # every job has ended: report each failure, keep the others' curves
+        if future.exception() is None:
+            results[name] = future.result()
+        else:
+            errors.append((name, repr(future.exception())))
     summary = {"args": {k: str(v) for k, v in vars(args).items()}, "seconds": round(time.monotonic() - started),
                "ceilings": ceilings(args), "errors": errors, **results}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
