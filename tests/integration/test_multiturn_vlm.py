@@ -1,7 +1,9 @@
 """Multi-turn vision-language RL against a live server on the built-in tiny Qwen2-VL: the grid-walk example
 trained by the cookbook's RL loop (as its README section runs it) and by the bare SDK, a long episode
 with many images, and an image token count the server disagrees with; and the grid walk on the tiny
-Qwen3.5-MoE (hybrid linear attention, routed experts)."""
+Qwen3.5-MoE (hybrid linear attention, routed experts). The CI-sized runs of benchmarks/visual_rl.py:
+the grid walk without hints and the geometry task, each a warm start then the cookbook's loop from its
+saved state (the plumbing, not the curve)."""
 
 import json
 import math
@@ -14,6 +16,7 @@ import pytest
 from PIL import Image
 
 from client_compat.chat import ChatRenderer
+from client_compat.examples import geometry, grid_walk
 from client_compat.examples.grid_walk import GridWalk, sdk_loop
 from client_compat.rollout import Episode, ImageTokensMismatch
 from server.models.builtin import ensure_builtin_model
@@ -124,3 +127,56 @@ def test_the_grid_walk_trains_a_hybrid_moe_vlm_with_pictures_in_later_turns(mode
     for row in steps:
         assert row["tokens/trained"] > 0 and row["env/all/total_turns"] > row["env/all/total_episodes"]
         assert abs(row["optim/kl_sample_train_v1"]) < 1e-3  # the sampler's and the trainer's logprobs agree
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_grid_walk_without_hints_warm_starts_then_trains_from_the_saved_state(vlm_server, models_dir, tmp_path,
+                                                                                  monkeypatch):
+    model_dir = str(ensure_builtin_model("tiny-qwen2-vl", models_dir))
+    # The curriculum: a 2 x 2 grid (56 x 56 pixels, 4 image tokens) first, then 3 x 3 (9 tokens).
+    renderer = grid_walk.chat_renderer(model_dir)
+    for step, tokens in [(0, 4), (1, 9)]:
+        (datum,) = grid_walk.warm_start_batch(renderer, step, 1, hints=False, small_grids=1)
+        assert datum.model_input.chunks[1].expected_tokens == tokens
+
+    monkeypatch.setenv("TINKER_API_KEY", vlm_server.api_key)
+    log = tmp_path / "walk"
+    grid_walk.main(grid_walk.CLIConfig(
+        model_name=MODEL, model_dir=model_dir, base_url=vlm_server.url, log_path=str(log), hints=False,
+        small_grids=1, warm_start_steps=2, warm_start_batch_size=2, batch_size=2, group_size=2, max_turns=3,
+        max_tokens=4, max_steps=1))
+    warm = read_rows(log / "warm_start.jsonl")
+    assert len(warm) == 2 and all(math.isfinite(row["nll"]) and row["nll"] > 0 for row in warm)
+    (row,) = [row for row in read_rows(log / "metrics.jsonl") if "env/all/total_episodes" in row]
+    assert row["env/all/total_episodes"] == 4 and row["env/all/tito/fell_back"] == 0.0
+    assert "Loaded weights from tinker://" in (log / "logs.log").read_text()
+
+
+def test_the_geometry_task_warm_starts_on_tool_calls_then_trains_with_the_cookbooks_loop(
+        vlm_server, client, models_dir, tmp_path, monkeypatch):
+    model_dir = str(ensure_builtin_model("tiny-qwen2-vl", models_dir))
+    # A turn after the calculator's answer is sampled on the same token sequence (one datum per episode).
+    training = client.create_lora_training_client(base_model=MODEL, rank=4).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    renderer = geometry.chat_renderer(model_dir)
+    problem = geometry.GeometryProblem(seed=2, image_size=56, system_prompt=geometry.system_prompt(model_dir))
+    call, _ = problem.correct_turns()
+    episode = Episode(renderer, problem.start())
+    episode.act(renderer.tokenizer.encode(call, add_special_tokens=False) + renderer.stop_tokens)
+    episode.observe(problem.reply(call).messages)
+    episode.sample(sampler, max_tokens=3)
+    assert episode.metrics["tito/bridged"] == 1 and episode.metrics["tito/fell_back"] == 0
+    assert len(episode.training_data(1.0, "cross_entropy")) == 1
+
+    monkeypatch.setenv("TINKER_API_KEY", vlm_server.api_key)
+    log = tmp_path / "geometry"
+    geometry.main(geometry.CLIConfig(
+        model_name=MODEL, model_dir=model_dir, base_url=vlm_server.url, log_path=str(log), image_size=56,
+        warm_start_steps=1, warm_start_batch_size=2, batch_size=2, group_size=2, max_tokens=8, max_steps=1))
+    (warm,) = read_rows(log / "warm_start.jsonl")
+    assert math.isfinite(warm["nll"]) and warm["nll"] > 0
+    (row,) = [row for row in read_rows(log / "metrics.jsonl") if "env/all/total_episodes" in row]
+    assert row["env/all/total_episodes"] == 4 and math.isfinite(row["optim/kl_sample_train_v1"])
