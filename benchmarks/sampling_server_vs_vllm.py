@@ -1,8 +1,9 @@
 """Sampling through the server against raw vLLM on the same RL-shaped load, side by side (for a GPU).
 
-    python benchmarks/sampling_server_vs_vllm.py --vllm-python /tmp/vllm-python [--shape 4b --rounds 3]
+    python benchmarks/sampling_server_vs_vllm.py --vllm-python /tmp/vllm-python [--shape 4b --rounds 5]
     python benchmarks/sampling_server_vs_vllm.py --shape tiny --device cpu --dtype float32 --max-tokens 32 \
-        --vllm-python .venv-vllm/bin/python --vllm-args=--enforce-eager --workloads "RL sampling"   (a CPU trial)
+        --prompt-tokens 64 --image-size 256 --rounds 2 --vllm-python .venv-vllm/bin/python \
+        --vllm-args=--enforce-eager --workloads "RL sampling"                   (a CPU trial)
 
 (a) raw vLLM: vLLM's own offline API (benchmarks/raw_vllm_sampling.py, in vLLM's environment, no
 server) with the very flags the server gives its vLLM; (b) `python -m server --sampler vllm` driven
@@ -15,18 +16,25 @@ config, rank 32 with lm_head, saved by the server and loaded by path by both), s
 with one image), same sampling parameters. Each round is an RL step: fresh prompts and images (no cache
 serves them), every run's adapter saved again under a new name (both sides load it anew), and every run
 samples every prompt, 4 or 8 samples per request, all in flight together; completions ignore EOS, so
-both sides generate exactly the same number of tokens. A second workload scores each prompt plus a
-continuation with every adapter (compute_logprobs): the server sends those to its embedded engine (vLLM's prompt logprobs are
-wrong with lm_head LoRA, server/sampling/vllm.py), raw vLLM computes them itself, wrongly but at
-vLLM's speed: the ratio is what that choice costs. Prints seconds per round, tokens (or requests)
-per second per side and their ratio (b)/(a) (the goal for sampling: within 10 %) with its spread over
-the rounds (the ratio of each round's rates: median, lowest, highest), and the peak memory in use (GPU:
-every process's, read from outside; CPU: RSS of the process trees).
+both sides generate exactly the same number of tokens. Both sides are up at once and take turns,
+round by round (server then raw, raw then server, ...), so that what drifts over the run (clocks,
+the host's load) weighs on both alike; round i of each side has the same prompts and adapters. On a
+GPU their memory adds up: two vLLMs at --gpu-memory-utilization each, and the server's own process
+(its trainer's copy of the model and the embedded engine, which scores). A second workload scores
+each prompt plus a continuation with every adapter (compute_logprobs): the server sends those to its
+embedded engine (vLLM's prompt logprobs are wrong with lm_head LoRA, server/sampling/vllm.py), raw
+vLLM computes them itself, wrongly but at vLLM's speed: the ratio is what that choice costs. Prints
+seconds per round, tokens (or requests) per second per side and their ratio (b)/(a) (the goal for
+sampling: within 10 %) with its spread over the rounds (the ratio of each round's rates: median,
+lowest, highest), and the peak memory in use (GPU: every process's, both sides together, read from
+outside; CPU: RSS of each side's process tree). The engine side (c) runs after the other two, on its
+own (a third vLLM would not fit beside them): its ratio is not alternated.
 """
 
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import time
@@ -67,12 +75,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=448)
     parser.add_argument("--vllm-python", type=Path, required=True,
                         help="interpreter of vLLM's environment (with the server's plugin installed)")
-    parser.add_argument("--vllm-args", default="--gpu-memory-utilization 0.45",
-                        help="more vLLM flags, for both sides (e.g. --enforce-eager)")
+    parser.add_argument("--vllm-args", default="--gpu-memory-utilization 0.3",
+                        help="more vLLM flags, for both sides (e.g. --enforce-eager); both vLLMs are up at once")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/sampling-server-vs-vllm"))
-    parser.add_argument("--sides", default="server,raw",  # and engine
-                        help="which sides to run now; each side's result is kept in --work-dir, and the table is "
-                             "printed once both are there (so the two can run in two calls of a time-limited machine)")
+    parser.add_argument("--sides", default="server,raw", choices=["server,raw", "server,raw,engine", "engine"],
+                        help="server and raw run together, their rounds alternating; engine runs after them, or "
+                             "later on its own on the adapters a server,raw run saved (same --work-dir)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     return parser.parse_args()
 
@@ -111,17 +119,53 @@ def requests_of_round(args, prompts: list[dict], round_index: int, workload: str
             for run in range(args.runs) for index, prompt in enumerate(prompts)]
 
 
-def run_server(args, model_dir: Path, server_flags: list[str],
-               prompts_by_round: list[list[dict]]) -> tuple[dict, list[list[str]]]:
-    """(b): the workload through `python -m server` and the SDK; returns the timings and, per round, the
-    adapters' directories."""
+class RawVLLM:
+    """(a): vLLM's offline API in a process of its own (vLLM's environment), up while the rounds alternate."""
+
+    def __init__(self, args, vllm_args: list[str], environment: dict):
+        args_path = args.work_dir / "raw-vllm-args.json"
+        args_path.write_text(json.dumps(vllm_args))
+        read_fd, write_fd = os.pipe()
+        self.process = subprocess.Popen([str(args.vllm_python), str(REPO_ROOT / "benchmarks" / "raw_vllm_sampling.py"),
+                                         str(args_path), str(write_fd)], stdin=subprocess.PIPE, text=True,
+                                        env=environment, pass_fds=(write_fd,))
+        os.close(write_fd)
+        self.answers = os.fdopen(read_fd)
+        self.answer()  # ready
+
+    def answer(self) -> dict:
+        line = self.answers.readline()
+        if not line:
+            raise RuntimeError(f"raw vLLM exited with {self.process.wait()}")
+        return json.loads(line)
+
+    def run_round(self, round_index: int, requests: list[dict], adapters: list[str]) -> dict:
+        self.process.stdin.write(json.dumps({"round": round_index, "requests": requests, "adapters": adapters}) + "\n")
+        self.process.stdin.flush()
+        return self.answer()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def run_server_and_raw(args, model_dir: Path, server_flags: list[str], vllm_args: list[str], environment: dict,
+                       prompts_by_round: list[list[dict]]) -> tuple[dict, list[list[str]]]:
+    """(b) through `python -m server` and the SDK, and (a) raw vLLM, round by round in turn; returns both sides'
+    timings and, per round, the adapters' directories."""
     import tinker
     from tinker import types
 
     data_dir = args.work_dir / "server"
     base_model = BASE_NAME.format(shape=args.shape)
     server = start_server(data_dir, None, None, *server_flags, base_model=base_model, startup_seconds=1800)
+    raw = None
     try:
+        raw = RawVLLM(args, vllm_args, environment)  # after the server's vLLM: each measures its memory alone
         service = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
         trainings = [service.create_lora_training_client(base_model=base_model, rank=RANK, seed=run).result()
                      for run in range(args.runs)]
@@ -156,41 +200,36 @@ def run_server(args, model_dir: Path, server_flags: list[str],
                                   sampling_params=types.SamplingParams(max_tokens=request["max_tokens"],
                                                                        temperature=1.0, seed=request["seed"], stop=[]))
 
-        results = {}
-        with PeakMemory(args.device, lambda: process_tree(server.process.pid)) as memory:
+        def server_round(workload: str, round_index: int) -> dict:
+            start = time.perf_counter()
+            requests = requests_of_round(args, prompts_by_round[round_index], round_index, workload)
+            outputs = [future.result() for future in [send(request, round_index) for request in requests]]
+            tokens = 0 if workload == SCORING else sum(len(s.tokens) for out in outputs for s in out.sequences)
+            return {"seconds": time.perf_counter() - start, "tokens": tokens}
+
+        def raw_round(workload: str, round_index: int) -> dict:
+            requests = requests_of_round(args, prompts_by_round[round_index], round_index, workload)
+            return raw.run_round(round_index, requests, directories[round_index])
+
+        rounds = {"server": {}, "raw": {}}
+        with (PeakMemory(args.device, lambda: process_tree(server.process.pid)) as server_memory,
+              PeakMemory(args.device, lambda: process_tree(raw.process.pid)) as raw_memory):
             for workload in args.workloads.split(","):
-                rounds = []
-                for round_index in range(args.rounds + 1):
-                    start = time.perf_counter()
-                    requests = requests_of_round(args, prompts_by_round[round_index], round_index, workload)
-                    futures = [send(request, round_index) for request in requests]
-                    outputs = [future.result() for future in futures]
-                    tokens = 0 if workload == SCORING else sum(len(s.tokens) for out in outputs for s in out.sequences)
-                    rounds.append({"seconds": time.perf_counter() - start, "tokens": tokens})
-                results[workload] = rounds[1:]
+                for side in rounds:
+                    rounds[side][workload] = []
+                for round_index in range(args.rounds + 1):  # round 0 untimed
+                    order = [("server", server_round), ("raw", raw_round)]
+                    for side, run_round in order if round_index % 2 == 0 else order[::-1]:
+                        rounds[side][workload].append(run_round(workload, round_index))
         service.close("success").result()
-        return {"workloads": results, "memory": memory.peak}, directories
+        results = {side: {"workloads": {workload: timed[1:] for workload, timed in workloads.items()}}
+                   for side, workloads in rounds.items()}
+        results["server"]["memory"], results["raw"]["memory"] = server_memory.peak, raw_memory.peak
+        return results, directories
     finally:
+        if raw is not None:
+            raw.close()
         server.stop(timeout=120)
-
-
-def run_raw(args, vllm_args: list[str], environment: dict, prompts_by_round: list[list[dict]],
-            adapters: list[list[str]]) -> dict:
-    """(a): the same rounds through vLLM's offline API, in a process of its own (it frees the memory)."""
-    spec = {"vllm_args": vllm_args, "adapters": adapters,
-            "images": [p["image"] for prompts in prompts_by_round for p in prompts if p["image"]],
-            "workloads": {workload: [requests_of_round(args, prompts, r, workload)
-                                     for r, prompts in enumerate(prompts_by_round)]
-                          for workload in args.workloads.split(",")}}
-    spec_path, out_path = args.work_dir / "raw-spec.json", args.work_dir / "raw-out.json"
-    spec_path.write_text(json.dumps(spec))
-    process = subprocess.Popen([str(args.vllm_python), str(REPO_ROOT / "benchmarks" / "raw_vllm_sampling.py"),
-                                str(spec_path), str(out_path)], env=environment)
-    with PeakMemory(args.device, lambda: process_tree(process.pid)) as memory:
-        if process.wait() != 0:
-            raise RuntimeError(f"raw vLLM exited with {process.returncode}")
-    out = json.loads(out_path.read_text())
-    return {"workloads": {name: rounds[1:] for name, rounds in out["workloads"].items()}, "memory": memory.peak}
 
 
 def run_engine(args, vllm_config, served, prompts_by_round: list[list[dict]], adapters: list[list[str]]) -> dict:
@@ -255,30 +294,27 @@ def main() -> None:
 
     prompts_by_round = [build_prompts(args, model_dir, vision_ids, r) for r in range(args.rounds + 1)]
     sides = args.sides.split(",")
-    paths = {side: args.work_dir / f"{side}-result.json" for side in ("raw", "engine", "server")}
+    paths = {"server,raw": args.work_dir / "server-raw-result.json", "engine": args.work_dir / "engine-result.json"}
     if "server" in sides:
-        server_result, adapters = run_server(args, model_dir, server_flags, prompts_by_round)
-        paths["server"].write_text(json.dumps({"result": server_result, "adapters": adapters}))
-    if {"raw", "engine"} & set(sides):
-        if not paths["server"].exists():
-            raise SystemExit(f"--sides raw and engine load the adapters the server side saved: run --sides server "
-                             f"first (same --work-dir, {args.work_dir})")
-        adapters = json.loads(paths["server"].read_text())["adapters"]
+        results, adapters = run_server_and_raw(args, model_dir, server_flags, vllm_args,
+                                               vllm_environment(vllm_config), prompts_by_round)
+        paths["server,raw"].write_text(json.dumps({"results": results, "adapters": adapters}))
+        paths["engine"].unlink(missing_ok=True)  # an earlier run's, on other adapters
+    if not paths["server,raw"].exists():
+        raise SystemExit(f"--sides engine loads the adapters a server,raw run saved: run that first (same "
+                         f"--work-dir, {args.work_dir})")
+    saved = json.loads(paths["server,raw"].read_text())
+    results = saved["results"]
     if "engine" in sides:
-        paths["engine"].write_text(json.dumps(run_engine(args, vllm_config, served, prompts_by_round, adapters)))
-    if "raw" in sides:
-        result = run_raw(args, vllm_args, vllm_environment(vllm_config), prompts_by_round, adapters)
-        paths["raw"].write_text(json.dumps(result))
-    if not (paths["server"].exists() and paths["raw"].exists()):
-        print(f"kept in {args.work_dir}; run the other side with --sides")
-        return
-    results = {side: json.loads(path.read_text()) for side, path in paths.items() if path.exists()}
-    results["server"] = results["server"]["result"]
+        paths["engine"].write_text(json.dumps(run_engine(args, vllm_config, served, prompts_by_round,
+                                                         saved["adapters"])))
+    if paths["engine"].exists():
+        results["engine"] = json.loads(paths["engine"].read_text())
 
     rows, ratios = [], {}
     requests = len(requests_of_round(args, prompts_by_round[0], 0, SAMPLING))
-    names = {"raw": "raw vLLM (offline API)", "engine": "vLLM's server + the server's VLLMEngine",
-             "server": "through the server (SDK)"}
+    names = {"raw": "raw vLLM (offline API)", "server": "through the server (SDK)",
+             "engine": "vLLM's server + the server's VLLMEngine (run after, not alternated)"}
     for workload in args.workloads.split(","):
         for side, name in names.items():
             if workload not in results.get(side, {}).get("workloads", {}):
@@ -305,7 +341,8 @@ def main() -> None:
           f"prompt + {args.scored_tokens} tokens), {args.rounds} rounds; prompts of {args.prompt_tokens} text tokens, "
           f"half with one {args.image_size}x{args.image_size} image; LoRA rank {RANK} with lm_head; "
           f"vLLM flags: {' '.join(vllm_args)}\n")
-    print("| workload | path | seconds per round | rate | peak memory over the run (GiB) |")
+    memory = "GPU, both sides together" if args.device.startswith("cuda") else "RSS of the side's processes"
+    print(f"| workload | path | seconds per round | rate | peak memory over the run (GiB; {memory}) |")
     print("|---|---|---|---|---|")
     for row in rows:
         unit = "generated tokens/s" if row["workload"] == SAMPLING else "requests/s"

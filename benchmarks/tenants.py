@@ -3,15 +3,19 @@ sharing training passes (the default) against one run per pass (`--max-runs-per-
 
 For each number of tenants (default 1, 4 and 8), every tenant (its own SDK client and LoRA run; the
 scheduler shares passes by run, so one API key serves them all) sends RL-sized steps concurrently
-through the tinker SDK: a forward_backward of 8 x 1,024 tokens
-(importance_sampling, the RL loss) and an optim_step, then waits for both. The first step of each
-tenant is warm-up. Prints, per mode and tenant count, the aggregate tokens/s, the median and worst
-tenant's median step latency, the server's peak memory (GPU: reserved by its allocator; CPU: peak
-RSS), the mean seconds of a forward_backward's and of an optim_step's work on the training thread
-(from the server's metrics: where a step's time goes), and the ratios batched / one-at-a-time.
+through the tinker SDK: a forward_backward of 8 x 1,024 tokens (importance_sampling, the RL loss)
+and an optim_step, then waits for both. One server per mode, both up at once (on a GPU their peaks
+add up): after one warm-up step per tenant, the modes take turns, round by round (A B, B A, A B, ...,
+`--rounds`, each `--steps` steps per tenant), so that what drifts over the run (clocks, the host's
+load) weighs on both alike. Prints, per mode and tenant count, the aggregate tokens/s, the median and
+worst tenant's median step latency, the server's peak memory (GPU: reserved by its allocator; CPU:
+peak RSS), the mean seconds of a forward_backward's and of an optim_step's work on the training thread
+(from the server's metrics: where a step's time goes), and the ratio batched / one-at-a-time with its
+spread (each round's ratio: median, lowest, highest). With one tenant both modes run the same passes:
+that ratio is a control, which shows how far the two server processes differ.
 
-    python benchmarks/tenants.py --shape tiny --device cpu --dtype float32 --sequence-length 128 --steps 2
-    python benchmarks/tenants.py --shape 4b            # on an H100 (the model is written once, see train_throughput.py)
+    python benchmarks/tenants.py --shape tiny --device cpu --dtype float32 --sequence-length 128 --steps 1 --rounds 2
+    python benchmarks/tenants.py --shape 4b            # on a GPU (the model is written once, see train_throughput.py)
 
 Goal on the GPU (the issue's): 8 tenants reach at least 2x the one-at-a-time aggregate throughput,
 with no tenant's latency above twice its solo time.
@@ -49,8 +53,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sequences", type=int, default=8, help="datums per forward_backward")
     parser.add_argument("--sequence-length", type=int, default=1024)
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per tenant (after one warm-up step)")
-    parser.add_argument("--server-args", default="", help="more flags for the server, e.g. '--compile'")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per mode, the modes alternating; at "
+                        "least 5 for a figure to report")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per tenant in each round")
+    parser.add_argument("--server-args", default="", help="more flags for both servers, e.g. '--compile'")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/train-throughput"))
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     return parser.parse_args()
@@ -91,106 +97,137 @@ def peak_memory_gib(server: LiveServer, device: str) -> float:
     return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE).group(1)) / 2**20
 
 
-def run_tenants(args, server: LiveServer, num_tenants: int, base_model: str) -> dict:
-    """Every tenant trains at once; returns aggregate tokens/s and each tenant's median step seconds."""
-    from tinker import types
-
-    clients = [server.service_client().create_lora_training_client(base_model=base_model, rank=args.rank,
-                                                                   seed=index).result()
-               for index in range(num_tenants)]
-    data = [rl_data(args, seed) for seed in range(num_tenants)]
-    adam = types.AdamParams(learning_rate=1e-5)
-    latencies: list[list[float]] = [[] for _ in range(num_tenants)]
-    start_barrier = threading.Barrier(num_tenants + 1)
-    timed_barrier = threading.Barrier(num_tenants + 1)
-
-    def step(index: int) -> float:
-        started = time.perf_counter()
-        forward_backward = clients[index].forward_backward(data[index], "importance_sampling")
-        optim = clients[index].optim_step(adam)
-        forward_backward.result()
-        optim.result()
-        return time.perf_counter() - started
-
-    def tenant(index: int) -> None:
-        try:
-            start_barrier.wait()
-            step(index)  # warm-up
-            timed_barrier.wait()
-            for _ in range(args.steps):
-                latencies[index].append(step(index))
-        except BaseException:
-            start_barrier.abort()  # the others (and the timer) must not wait for this tenant forever
-            timed_barrier.abort()
-            raise
-
-    threads = [threading.Thread(target=tenant, args=(index,)) for index in range(num_tenants)]
-    for thread in threads:
-        thread.start()
-    start_barrier.wait()
-    timed_barrier.wait()
-    started = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    seconds = time.perf_counter() - started
-    if any(len(times) < args.steps for times in latencies):
-        raise RuntimeError("a tenant failed (its error is above)")
-    tokens = num_tenants * args.steps * args.sequences * args.sequence_length
-    return dict(tokens_per_s=tokens / seconds,
-                tenant_median_step_s=[statistics.median(times) for times in latencies])
-
-
-def measure_mode(args, mode: str, model_dir: Path) -> dict[int, dict]:
-    base_model = BASE_NAME.format(shape=args.shape)
+def start_mode_server(args, mode: str, model_dir: Path) -> LiveServer:
     command = ["--model-path", str(model_dir), "--device", args.device, "--dtype", args.dtype, *MODES[mode],
                *args.server_args.split()]
     # A fresh data dir: on an old one the server prints no admin key, and /metrics (admin only) refuses.
     data_dir = args.work_dir / f"tenants-{args.shape}-{mode}"
     shutil.rmtree(data_dir, ignore_errors=True)
-    server = start_server(data_dir, None, None, *command,
-                          base_model=base_model, startup_seconds=900)
-    try:
-        results = {}
-        for count in [int(count) for count in args.tenants.split(",")]:
-            before = work_seconds(server)
-            results[count] = run_tenants(args, server, count, base_model)
-            results[count]["peak_memory_gib"] = peak_memory_gib(server, args.device)
-            # Mean seconds of each kind's work (warm-up steps included): where a step's time goes.
-            after, mean_work = work_seconds(server), {}
-            for kind in ("ForwardBackward", "OptimStep"):
-                (seconds, number), (seconds_before, number_before) = after[kind], before.get(kind, (0.0, 0))
-                mean_work[kind] = (seconds - seconds_before) / (number - number_before)
-            results[count]["mean_work_s"] = mean_work
-            print(mode, count, results[count], flush=True)
-        return results
-    finally:
-        server.stop(timeout=120)
+    return start_server(data_dir, None, None, *command, base_model=BASE_NAME.format(shape=args.shape),
+                        startup_seconds=900)
+
+
+def run_round(args, clients: list, data: list, steps: int) -> dict:
+    """Every tenant steps `steps` times, all at once; returns aggregate tokens/s and each tenant's step seconds."""
+    from tinker import types
+
+    adam = types.AdamParams(learning_rate=1e-5)
+    latencies: list[list[float]] = [[] for _ in clients]
+    barrier = threading.Barrier(len(clients) + 1)
+
+    def tenant(index: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(steps):
+                started = time.perf_counter()
+                forward_backward = clients[index].forward_backward(data[index], "importance_sampling")
+                optim = clients[index].optim_step(adam)
+                forward_backward.result()
+                optim.result()
+                latencies[index].append(time.perf_counter() - started)
+        except BaseException:
+            barrier.abort()  # the others (and the timer) must not wait for this tenant forever
+            raise
+
+    threads = [threading.Thread(target=tenant, args=(index,)) for index in range(len(clients))]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    if any(len(times) < steps for times in latencies):
+        raise RuntimeError("a tenant failed (its error is above)")
+    return dict(tokens_per_s=len(clients) * steps * args.sequences * args.sequence_length / seconds,
+                seconds=seconds, step_seconds=latencies)
+
+
+def measure_count(args, servers: dict[str, LiveServer], num_tenants: int) -> dict[str, dict]:
+    """One tenant count on every mode's server: a warm-up step, then the modes' rounds in turn."""
+    base_model = BASE_NAME.format(shape=args.shape)
+    data = [rl_data(args, seed) for seed in range(num_tenants)]
+    clients, before = {}, {}
+    for mode, server in servers.items():
+        service = server.service_client()
+        clients[mode] = [service.create_lora_training_client(base_model=base_model, rank=args.rank,
+                                                             seed=index).result() for index in range(num_tenants)]
+        before[mode] = work_seconds(server)
+        run_round(args, clients[mode], data, steps=1)  # warm-up
+    rounds: dict[str, list[dict]] = {mode: [] for mode in servers}
+    for round_index in range(args.rounds):
+        order = list(servers) if round_index % 2 == 0 else list(servers)[::-1]
+        for mode in order:
+            rounds[mode].append(run_round(args, clients[mode], data, args.steps))
+    results = {}
+    for mode, server in servers.items():
+        # Mean seconds of each kind's work (warm-up steps included): where a step's time goes.
+        after, mean_work = work_seconds(server), {}
+        for kind in ("ForwardBackward", "OptimStep"):
+            (seconds, number), (seconds_before, number_before) = after[kind], before[mode].get(kind, (0.0, 0))
+            mean_work[kind] = (seconds - seconds_before) / (number - number_before)
+        mode_rounds = rounds[mode]
+        tokens = num_tenants * args.steps * args.sequences * args.sequence_length * len(mode_rounds)
+        results[mode] = dict(
+            tokens_per_s=tokens / sum(r["seconds"] for r in mode_rounds),
+            round_tokens_per_s=[r["tokens_per_s"] for r in mode_rounds],
+            tenant_median_step_s=[statistics.median(t for r in mode_rounds for t in r["step_seconds"][index])
+                                  for index in range(num_tenants)],
+            peak_memory_gib=peak_memory_gib(server, args.device), mean_work_s=mean_work)
+        print(f"{mode}, {num_tenants} tenants: {results[mode]['tokens_per_s']:.0f} tokens/s", flush=True)
+    return results
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "lowest": min(values), "highest": max(values),
+            "rounds": len(values)}
 
 
 def main() -> None:
     args = parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     model_dir = write_model(args.shape, args.work_dir / f"model-{args.shape}", args.device)
-    measured = {mode: measure_mode(args, mode, model_dir) for mode in args.modes.split(",")}
+    modes = args.modes.split(",")
+    servers: dict[str, LiveServer] = {}
+    try:
+        for mode in modes:  # one after the other: each loads the model alone
+            servers[mode] = start_mode_server(args, mode, model_dir)
+        by_count = {count: measure_count(args, servers, count) for count in map(int, args.tenants.split(","))}
+    finally:
+        for server in servers.values():
+            server.stop(timeout=120)
+    measured = {mode: {count: results[mode] for count, results in by_count.items()} for mode in modes}
+    ratios = {}
+    if {"batched", "one-at-a-time"} <= set(modes):
+        for count, results in by_count.items():
+            batched, alone = results["batched"], results["one-at-a-time"]
+            ratios[count] = {"ratio": batched["tokens_per_s"] / alone["tokens_per_s"],
+                             **spread([b / a for b, a in zip(batched["round_tokens_per_s"],
+                                                             alone["round_tokens_per_s"])])}
     if args.json:
-        args.json.write_text(json.dumps({mode: {str(k): v for k, v in results.items()}
-                                         for mode, results in measured.items()}, indent=2))
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                         **{mode: {str(k): v for k, v in results.items()}
+                                            for mode, results in measured.items()},
+                                         "ratios": {str(k): v for k, v in ratios.items()}}, indent=2))
     print(f"\n{args.shape}, {args.device} {args.dtype}: each tenant steps {args.sequences} x {args.sequence_length} "
-          f"tokens (importance_sampling) + optim_step, LoRA rank {args.rank}, {args.steps} timed steps")
-    print(f"{'mode':14} {'tenants':>7} {'tokens/s':>10} {'median step s':>14} {'worst step s':>13} "
-          f"{'worst/solo':>10} {'peak GiB':>9} {'fwd-bwd s':>10} {'optim s':>8}")
+          f"tokens (importance_sampling) + optim_step, LoRA rank {args.rank}; {args.rounds} rounds of {args.steps} "
+          f"timed steps per mode, the modes alternating; server flags: {args.server_args or 'defaults'}")
+    print(f"{'mode':14} {'tenants':>7} {'tokens/s':>10} {'round range':>15} {'median step s':>14} "
+          f"{'worst step s':>13} {'worst/solo':>10} {'peak GiB':>9} {'fwd-bwd s':>10} {'optim s':>8}")
     for mode, results in measured.items():
         solo = statistics.median(results[min(results)]["tenant_median_step_s"])
         for count, result in results.items():
-            steps = result["tenant_median_step_s"]
-            work = result["mean_work_s"]
-            print(f"{mode:14} {count:7d} {result['tokens_per_s']:10.0f} {statistics.median(steps):14.3f} "
-                  f"{max(steps):13.3f} {max(steps) / solo:10.2f} {result['peak_memory_gib']:9.2f} "
-                  f"{work['ForwardBackward']:10.3f} {work['OptimStep']:8.3f}")
-    if {"batched", "one-at-a-time"} <= measured.keys():
-        for count in measured["batched"]:
-            ratio = measured["batched"][count]["tokens_per_s"] / measured["one-at-a-time"][count]["tokens_per_s"]
-            print(f"{count} tenants: batched / one-at-a-time aggregate tokens/s = {ratio:.2f}")
+            steps, work, rates = result["tenant_median_step_s"], result["mean_work_s"], result["round_tokens_per_s"]
+            print(f"{mode:14} {count:7d} {result['tokens_per_s']:10.0f} {f'{min(rates):.0f}-{max(rates):.0f}':>15} "
+                  f"{statistics.median(steps):14.3f} {max(steps):13.3f} {max(steps) / solo:10.2f} "
+                  f"{result['peak_memory_gib']:9.2f} {work['ForwardBackward']:10.3f} {work['OptimStep']:8.3f}")
+    for count, ratio in ratios.items():
+        control = " (a control: one tenant's passes are the same in both modes)" if count == 1 else ""
+        print(f"{count} tenants: batched / one-at-a-time aggregate tokens/s = {ratio['ratio']:.2f} (round by round: "
+              f"median {ratio['median']:.2f}, {ratio['lowest']:.2f}-{ratio['highest']:.2f} over {ratio['rounds']} "
+              f"rounds){control}")
+    if args.rounds < 5:
+        print(f"only {args.rounds} rounds: a trial, not a figure to report (at least 5)")
 
 
 if __name__ == "__main__":

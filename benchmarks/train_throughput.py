@@ -3,24 +3,31 @@
 Qwen3-VL-4B- and 8B-shaped models, and Qwen3.5-4B- and Qwen3.6-35B-A3B-shaped ones (hybrid linear
 attention; the second a MoE), with random weights built from a config (no hub), LoRA rank 32 on
 every linear layer of the language model (and every routed expert of a MoE), 32 sequences x 2048
-tokens per step, one 448x448 image per sequence (or text only). For each shape and variant it runs (a) the training backend called
-in-process (the trainer the server builds, fed datums rendered exactly as the API renders them)
-and (b) the same steps through `python -m server` driven by the tinker SDK, and prints
-tokens/s/GPU, MFU, peak memory and the ratio (b)/(a). Each mode runs in a process of its own, so that
-(b) starts on a GPU that (a) has wholly given back.
+tokens per step (or lengths drawn between --min-sequence-length and that), and per variant: `image`,
+one new 448x448 image per sequence in every step (as an epoch over a data set sends them: the vision
+tower runs in every step), `image-cached`, the same 32 images in every step (their features come from
+the cache after the first step, so the timed steps do not run the vision tower), or `text` only. For
+each shape and variant it runs (a) the training backend called in-process (the trainer the server
+builds, fed datums rendered exactly as the API renders them) and (b) the same steps through `python
+-m server` driven by the tinker SDK, and prints tokens/s/GPU, MFU, peak memory, the spread of the
+timed steps and the ratio (b)/(a). Each mode runs in a process of its own, so that (b) starts on a GPU
+that (a) has wholly given back; with --repeats N the modes run N times each, in alternating order
+(a b, b a, ...), and the ratio comes with its spread over the N pairs.
 
 FLOPs per token (LoRA: forward, plus backward to the activations only; the frozen base gets no
 weight gradient): 4 x N_llm (every matmul parameter of the language model, the unembedding
 included) + 6 x L x H x T for causal attention (L layers, H = heads x head_dim, T = sequence
-length), + 2 x N_vision per image patch in the steps where the vision tower runs (image features
-are cached by content, so a repeated image is encoded once). LoRA's own matmuls are not counted.
-Qwen3.5's full-attention layers count their gated query (q_proj is twice as wide) and attention
-over the sequence as above; its Gated DeltaNet layers count their projections in N_llm, plus 2 x 6 x
-d_k x d_v per value head and token for the recurrence (reading the state with q and k and updating
-it: three d_k x d_v products forward, and as much again for the backward to the activations). A
-MoE counts only the experts a token is routed to, and its shared expert (MFU by active parameters).
+length, per row), + 2 x N_vision per image patch in the steps where the vision tower runs (image
+features are cached by content, so a repeated image is encoded once: `image-cached` counts none).
+LoRA's own matmuls are not counted. Qwen3.5's full-attention layers count their gated query (q_proj
+is twice as wide) and attention over the sequence as above; its Gated DeltaNet layers count their
+projections in N_llm, plus 2 x 6 x d_k x d_v per value head and token for the recurrence (reading the
+state with q and k and updating it: three d_k x d_v products forward, and as much again for the
+backward to the activations). A MoE counts only the experts a token is routed to, and its shared expert (MFU by active parameters).
 
-    python benchmarks/train_throughput.py --shapes 4b --variants image,text --gpus 1
+    python benchmarks/train_throughput.py --shapes 4b --variants image,image-cached,text --gpus 1
+    python benchmarks/train_throughput.py --shapes tiny --device cpu --dtype float32 --sequences 2 \
+        --sequence-length 256 --image-size 64 --steps 2 --warmup 1        (a CPU trial)
 """
 
 import argparse
@@ -104,7 +111,9 @@ ADAM = AdamParams(learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8)
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="4b", help="comma-separated: 4b, 8b, qwen3.5-4b, qwen3.6-35b-a3b, tiny")
-    parser.add_argument("--variants", default="image,text", help="comma-separated: image, text")
+    parser.add_argument("--variants", default="image,text",
+                        help="comma-separated: image (new images every step), image-cached (the same images every "
+                             "step), text")
     parser.add_argument("--modes", default="inprocess,api", help="comma-separated: inprocess, api")
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--device", default="cuda")
@@ -113,10 +122,14 @@ def parse_args() -> argparse.Namespace:
                         help="where the random weights are made (default --device; cpu for a model one GPU cannot hold)")
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--sequence-length", type=int, default=2048)
+    parser.add_argument("--min-sequence-length", type=int, default=None,
+                        help="rows of lengths drawn between this and --sequence-length (default: all of that length)")
     parser.add_argument("--image-size", type=int, default=448)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--steps", type=int, default=4, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (image features get cached)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="processes per mode, the modes alternating (a b, b a, ...): the ratio's spread")
     parser.add_argument("--microbatch-tokens", type=int, default=TrainerConfig.max_tokens_per_microbatch)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--compile", action="store_true")
@@ -199,21 +212,29 @@ def smooth_image(size: int, seed: int) -> bytes:
     return buffer.getvalue()
 
 
-def build_datums(args, shape: str, variant: str, image_tokens: int, vision_start: int,
+def build_steps(args, shape: str, variant: str, image_tokens: int, vision_start: int,
+                vision_end: int) -> list[list[Datum]]:
+    """Every step's datums, warm-up steps first: new ones each step, or step 0's again for image-cached."""
+    steps = [build_datums(args, shape, variant, step, image_tokens, vision_start, vision_end)
+             for step in range(1 if variant == "image-cached" else args.warmup + args.steps)]
+    return steps * (args.warmup + args.steps) if variant == "image-cached" else steps
+
+
+def build_datums(args, shape: str, variant: str, step: int, image_tokens: int, vision_start: int,
                  vision_end: int) -> list[Datum]:
-    """Fixed-length sequences of random text ids (never a special token), an image after the first 64."""
-    rng = np.random.default_rng(0)
+    """One step's sequences of random text ids (never a special token), an image after the first 64."""
+    rng = np.random.default_rng(step)
     # The tokenizer's own tokens (special ones included) are below 1000; the rest of the vocabulary is plain.
     vocab = SHAPES[shape]["text"]["vocab_size"]
     data = []
     for index in range(args.sequences):
-        length = args.sequence_length
-        if variant == "image":
+        length = int(rng.integers(args.min_sequence_length or args.sequence_length, args.sequence_length + 1))
+        if variant.startswith("image"):
             before = rng.integers(1000, vocab, 64).tolist() + [vision_start]
             after = [vision_end] + rng.integers(1000, vocab, length - 64 - 2 - image_tokens).tolist()
             chunks = [EncodedTextChunk(tokens=before),
-                      ImageChunk(data=smooth_image(args.image_size, seed=index), format="jpeg",
-                                 expected_tokens=image_tokens),
+                      ImageChunk(data=smooth_image(args.image_size, seed=step * args.sequences + index),
+                                 format="jpeg", expected_tokens=image_tokens),
                       EncodedTextChunk(tokens=after)]
             weights = [1.0] * len(before) + [0.0] * image_tokens + [1.0] * len(after)
         else:
@@ -223,6 +244,15 @@ def build_datums(args, shape: str, variant: str, image_tokens: int, vision_start
         data.append(Datum(model_input=ModelInput(chunks=chunks),
                           loss_fn_inputs={"target_tokens": torch.tensor(targets), "weights": torch.tensor(weights)}))
     return data
+
+
+def step_work(shape: str, variant: str, image_size: int, data: list[Datum]) -> tuple[int, float]:
+    """A step's tokens and FLOPs (the docstring above says what is counted); images count in `image` only."""
+    lengths = [len(datum.loss_fn_inputs["target_tokens"]) for datum in data]
+    flops = sum(length * flops_per_token(shape, length) for length in lengths)
+    if variant == "image":  # new images: the vision tower encodes each of them in this step
+        flops += len(data) * vision_flops_per_image(shape, image_size)
+    return sum(lengths), flops
 
 
 # -- (a) in-process ------------------------------------------------------------------------------------
@@ -247,14 +277,14 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
     results = {}
     try:
         for variant in variants:
-            data = build_datums(args, shape, variant, image_tokens, token("<|vision_start|>"), token("<|vision_end|>"))
+            steps = build_steps(args, shape, variant, image_tokens, token("<|vision_start|>"), token("<|vision_end|>"))
             model_id = f"bench-{variant}"
             trainer.create_model(model_id, LoraConfig(rank=args.rank, seed=0))
 
-            def step():
+            def step(step_index: int):
                 with record_function("render"):  # named in --profile's trace
                     examples = [render_training_datum(datum, index, context, ("weights",))
-                                for index, datum in enumerate(data)]
+                                for index, datum in enumerate(steps[step_index])]
                 with record_function("forward_backward"):
                     trainer.forward_backward(model_id, examples, "cross_entropy", None, forward_only=False)
                 with record_function("optim_step"):
@@ -262,8 +292,11 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
 
             results[variant] = time_steps(args, step, sync=torch.cuda.synchronize if args.device == "cuda" else None,
                                           peak_memory=peak_allocated if args.device == "cuda" else None)
+            results[variant]["work"] = [step_work(shape, variant, args.image_size, data)
+                                        for data in steps[args.warmup:]]
             if args.profile and args.device == "cuda":
-                profile_step(step, args.work_dir / f"trace-{shape}-{variant}.json")
+                # The last step's data again: its images' features are cached by now.
+                profile_step(lambda: step(-1), args.work_dir / f"trace-{shape}-{variant}.json")
             trainer.unload(model_id)
     finally:
         trainer.stop_followers()
@@ -274,22 +307,21 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
 
 
 def time_steps(args, step, sync, peak_memory) -> dict:
-    """Median seconds per step after the warm-up steps, and the peak memory (GiB) the callable reports."""
+    """Seconds of each step after the warm-up steps, and the peak memory (GiB) the callable reports."""
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for _ in range(args.warmup):
-        step()
+    for step_index in range(args.warmup):
+        step(step_index)
     times = []
-    for _ in range(args.steps):
+    for step_index in range(args.warmup, args.warmup + args.steps):
         if sync is not None:
             sync()
         start = time.perf_counter()
-        step()
+        step(step_index)
         if sync is not None:
             sync()
         times.append(time.perf_counter() - start)
-    return {"step_seconds": float(np.median(times)), "all_step_seconds": times,
-            "peak_memory_gib": peak_memory() if peak_memory is not None else float("nan")}
+    return {"all_step_seconds": times, "peak_memory_gib": peak_memory() if peak_memory is not None else float("nan")}
 
 
 def peak_allocated() -> float:
@@ -339,20 +371,21 @@ def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str,
             tokenizer = tc.get_tokenizer()
             image_tokens = ImageProcessorSpec.from_model_dir(model_dir).num_tokens(args.image_size, args.image_size)
             token = tokenizer.convert_tokens_to_ids
-            wire = build_datums(args, shape, variant, image_tokens, token("<|vision_start|>"), token("<|vision_end|>"))
-            data = [types.Datum(model_input=types.ModelInput.model_validate(d.model_input.model_dump(mode="json")),
-                                loss_fn_inputs={name: value.tolist() for name, value in d.loss_fn_inputs.items()})
-                    for d in wire]
+            wire = build_steps(args, shape, variant, image_tokens, token("<|vision_start|>"), token("<|vision_end|>"))
+            steps = [[types.Datum(model_input=types.ModelInput.model_validate(d.model_input.model_dump(mode="json")),
+                                  loss_fn_inputs={name: value.tolist() for name, value in d.loss_fn_inputs.items()})
+                      for d in data] for data in wire]
             adam = types.AdamParams(**ADAM.model_dump())
 
-            def step():
-                forward_backward = tc.forward_backward(data, "cross_entropy")
+            def step(step_index: int):
+                forward_backward = tc.forward_backward(steps[step_index], "cross_entropy")
                 optim = tc.optim_step(adam)
                 forward_backward.result()
                 optim.result()
 
             results[variant] = time_steps(args, step, sync=None,
                                           peak_memory=device_memory_in_use if args.device == "cuda" else None)
+            results[variant]["work"] = [step_work(shape, variant, args.image_size, data) for data in wire[args.warmup:]]
         return results
     finally:
         server.stop(timeout=120)
@@ -389,39 +422,62 @@ def main() -> None:
     args = parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     rows = []
+    modes = args.modes.split(",")
     for shape in args.shapes.split(","):
         # Written in a process of its own too: a model built on the GPU here would stay there (9.7 GiB
         # for 4B) while the modes measure.
         model_dir = in_own_process(write_model, shape, args.work_dir / f"model-{shape}",
                                    args.write_device or args.device)
         variants = args.variants.split(",")
-        measured = {mode: in_own_process(measure_mode, args, mode, shape, model_dir, variants)
-                    for mode in args.modes.split(",")}
+        measured = {mode: [] for mode in modes}  # one result per process (--repeats), the modes taking turns
+        for repeat in range(args.repeats):
+            for mode in modes if repeat % 2 == 0 else modes[::-1]:
+                measured[mode].append(in_own_process(measure_mode, args, mode, shape, model_dir, variants))
         for variant in variants:
-            tokens = args.sequences * args.sequence_length
-            per_token = flops_per_token(shape, args.sequence_length)
-            for mode, results in measured.items():
-                result = results[variant]
-                tokens_per_second_per_gpu = tokens / result["step_seconds"] / args.gpus
-                rows.append(dict(shape=shape, variant=variant, mode=mode, gpus=args.gpus,
-                                 step_seconds=result["step_seconds"], tokens_per_s_per_gpu=tokens_per_second_per_gpu,
-                                 mfu=tokens_per_second_per_gpu * per_token / (args.peak_tflops * 1e12),
-                                 peak_memory_gib=result["peak_memory_gib"],
-                                 all_step_seconds=result["all_step_seconds"]))
+            by_mode, medians = {}, {}  # mode -> its row, and each of its processes' median tokens/s/GPU
+            for mode, repeats in measured.items():
+                seconds, rates, mfus = [], [], []
+                for results in repeats:
+                    result = results[variant]
+                    seconds += result["all_step_seconds"]
+                    rates.append([])
+                    for step_seconds, (tokens, flops) in zip(result["all_step_seconds"], result["work"]):
+                        rates[-1].append(tokens / step_seconds / args.gpus)
+                        mfus.append(flops / step_seconds / args.gpus / (args.peak_tflops * 1e12))
+                medians[mode] = [float(np.median(process_rates)) for process_rates in rates]
+                by_mode[mode] = dict(shape=shape, variant=variant, mode=mode, gpus=args.gpus, processes=len(repeats),
+                                     step_seconds=float(np.median(seconds)), all_step_seconds=seconds,
+                                     tokens_per_s_per_gpu=float(np.median(sum(rates, []))),
+                                     mfu=float(np.median(mfus)),
+                                     peak_memory_gib=max(results[variant]["peak_memory_gib"] for results in repeats))
+                rows.append(by_mode[mode])
             if {"inprocess", "api"} <= measured.keys():
-                ratio = measured["inprocess"][variant]["step_seconds"] / measured["api"][variant]["step_seconds"]
-                rows.append(dict(shape=shape, variant=variant, mode="api/inprocess", ratio=ratio))
+                # Process i of each mode ran next to the other's process i: their ratio, pair by pair.
+                pairs = [api / inprocess for api, inprocess in zip(medians["api"], medians["inprocess"])]
+                ratio = by_mode["api"]["tokens_per_s_per_gpu"] / by_mode["inprocess"]["tokens_per_s_per_gpu"]
+                rows.append(dict(shape=shape, variant=variant, mode="api/inprocess", ratio=ratio, pairs=pairs))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
-    print(f"\n{args.sequences} x {args.sequence_length} tokens per step, LoRA rank {args.rank}, {args.gpus} GPU(s), "
+    lengths = (f"{args.min_sequence_length}-{args.sequence_length}" if args.min_sequence_length
+               else str(args.sequence_length))
+    print(f"\n{args.sequences} rows of {lengths} tokens per step, LoRA rank {args.rank}, {args.gpus} GPU(s), "
           f"micro-batch {args.microbatch_tokens} tokens, activation checkpointing {args.activation_checkpointing}, "
-          f"compile {args.compile}")
-    print(f"{'shape':6} {'variant':7} {'mode':14} {'step s':>8} {'tok/s/GPU':>10} {'MFU':>6} {'peak GiB':>9}")
+          f"compile {args.compile}; {args.warmup} warm-up and {args.steps} timed steps per process, {args.repeats} "
+          f"process(es) per mode. image: new images every step (vision FLOPs counted); image-cached: the same "
+          f"images every step (the feature cache serves them; not counted)")
+    print(f"{'shape':6} {'variant':12} {'mode':14} {'step s':>8} {'step range':>13} {'tok/s/GPU':>10} {'MFU':>6} "
+          f"{'peak GiB':>9}")
     for row in rows:
         if "ratio" in row:
-            print(f"{row['shape']:6} {row['variant']:7} {row['mode']:14} ratio (b)/(a) = {row['ratio']:.3f}")
+            pairs = row["pairs"]
+            spread = (f"pair by pair: median {np.median(pairs):.3f}, {min(pairs):.3f}-{max(pairs):.3f} over "
+                      f"{len(pairs)} pairs" if len(pairs) > 1 else "one pair of processes: --repeats gives a spread")
+            print(f"{row['shape']:6} {row['variant']:12} {row['mode']:14} ratio (b)/(a) = {row['ratio']:.3f} "
+                  f"({spread})")
         else:
-            print(f"{row['shape']:6} {row['variant']:7} {row['mode']:14} {row['step_seconds']:8.2f} "
+            steps = row["all_step_seconds"]
+            step_range = f"{min(steps):.2f}-{max(steps):.2f}"
+            print(f"{row['shape']:6} {row['variant']:12} {row['mode']:14} {row['step_seconds']:8.2f} {step_range:>13} "
                   f"{row['tokens_per_s_per_gpu']:10.0f} {row['mfu']:6.1%} {row['peak_memory_gib']:9.1f}")
 
 
