@@ -2,11 +2,13 @@
 
 A completion's text is its tokens decoded without special tokens (the end-of-turn token that stopped
 it is not shown), cut before the first stop string it contains, as OpenAI returns it; its logprobs
-cover every sampled token. A stream sends each token's share of that text as a chunk of its own, so
-concatenating the chunks gives the text of the whole response. Knows nothing about engines or HTTP.
+cover every sampled token. A stream sends each token as it is sampled, with the text it completes
+(decoded a few tokens at a time, as vLLM does, so a token that ends inside a character waits for the
+rest); text that may begin a stop string is held back until the next tokens tell, and none past a
+stop string is sent, so concatenating the chunks gives the text of the whole response. Knows nothing
+about engines or HTTP.
 """
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -16,6 +18,22 @@ from server.sampling.types import SampledSequence
 from server.wire.openai import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                                 ChatDelta, ChatLogprobs, Completion, CompletionChoice, CompletionLogprobs,
                                 TokenLogprob, TopLogprob, Usage)
+
+DONE = b"data: [DONE]\n\n"
+Alternatives = list[tuple[int, float]] | None
+"""A sampled token's best (token id, logprob) alternatives, when asked for."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Who asked for what: the envelope of every response and chunk."""
+
+    id: str
+    created: int
+    model: str
+    top_logprobs: int | None
+    """None: no logprobs asked for; else each token's logprob and this many alternatives."""
+    stop_strings: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -28,21 +46,8 @@ class Choice:
     finish_reason: str
 
 
-@dataclass(frozen=True)
-class Answer:
-    """What every response is made of: who asked for what, and the choices."""
-
-    id: str
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-    top_logprobs: int | None
-    """None: no logprobs asked for; else each token's logprob and this many alternatives."""
-
-
 def choice_of(tokenizer: PreTrainedTokenizerBase, index: int, sequence: SampledSequence,
-              stop_strings: list[str]) -> Choice:
+              stop_strings: tuple[str, ...]) -> Choice:
     text = tokenizer.decode(sequence.tokens, skip_special_tokens=True)
     cut = min((at for at in (text.find(stop) for stop in stop_strings) if at >= 0), default=-1)
     if cut >= 0:
@@ -50,110 +55,175 @@ def choice_of(tokenizer: PreTrainedTokenizerBase, index: int, sequence: SampledS
     return Choice(index, sequence, text, sequence.stop_reason)
 
 
-def chat_completion(answer: Answer, tokenizer: PreTrainedTokenizerBase) -> ChatCompletion:
-    return ChatCompletion(id=answer.id, created=answer.created, model=answer.model, usage=answer.usage, choices=[
+def chat_completion(reply: Reply, choices: list[Choice], usage: Usage,
+                    tokenizer: PreTrainedTokenizerBase) -> ChatCompletion:
+    return ChatCompletion(id=reply.id, created=reply.created, model=reply.model, usage=usage, choices=[
         ChatChoice(index=choice.index, message=AssistantMessage(content=choice.text),
                    finish_reason=choice.finish_reason,
-                   logprobs=_chat_logprobs(tokenizer, choice.sequence, range(len(choice.sequence.tokens)),
-                                           answer.top_logprobs))
-        for choice in answer.choices])
+                   logprobs=None if reply.top_logprobs is None else ChatLogprobs(content=[
+                       _token_logprob(tokenizer, *token, reply.top_logprobs) for token in _tokens(choice.sequence)]))
+        for choice in choices])
 
 
-def chat_stream(answer: Answer, tokenizer: PreTrainedTokenizerBase, include_usage: bool) -> Iterator[bytes]:
-    def chunk(index: int, delta: ChatDelta, finish_reason: str | None = None,
-              logprobs: ChatLogprobs | None = None) -> bytes:
-        return _event(ChatCompletionChunk(id=answer.id, created=answer.created, model=answer.model, choices=[
+def completion(reply: Reply, choices: list[Choice], usage: Usage, tokenizer: PreTrainedTokenizerBase) -> Completion:
+    return Completion(id=reply.id, created=reply.created, model=reply.model, usage=usage, choices=[
+        CompletionChoice(index=choice.index, text=choice.text, finish_reason=choice.finish_reason,
+                         logprobs=_completion_logprobs(tokenizer, list(_tokens(choice.sequence)),
+                                                       reply.top_logprobs, 0))
+        for choice in choices])
+
+
+class Stream:
+    """The events of one streamed response, made as its tokens arrive (any order of choices)."""
+
+    def __init__(self, reply: Reply, tokenizer: PreTrainedTokenizerBase, num_choices: int):
+        self.reply, self.tokenizer = reply, tokenizer
+        self.texts = [_StreamedText(tokenizer, reply.stop_strings) for _ in range(num_choices)]
+
+    def start(self) -> bytes:
+        return b""
+
+    def token(self, index: int, token: int, logprob: float, best: Alternatives) -> bytes:
+        """The chunk of one sampled token of choice `index` (none when it adds no text and no logprobs are sent)."""
+        text = self.texts[index]
+        offset = text.sent
+        return self._chunk(index, text.add(token), (token, logprob, best), offset)
+
+    def finish(self, index: int, sequence: SampledSequence) -> bytes:
+        """Choice `index` is done: its tokens not streamed yet, the text held back, its finish_reason."""
+        text = self.texts[index]
+        events = [self.token(index, *token) for token in list(_tokens(sequence))[len(text.tokens):]]
+        choice = choice_of(self.tokenizer, index, sequence, self.reply.stop_strings)
+        offset = text.sent
+        events.append(self._chunk(index, text.rest(choice.text), None, offset, choice.finish_reason))
+        return b"".join(events)
+
+    def end(self, usage: Usage | None) -> bytes:
+        """The usage chunk (when asked for), then the end of the stream."""
+        return (b"" if usage is None else self._usage_chunk(usage)) + DONE
+
+    def _chunk(self, index: int, text: str, token: tuple[int, float, Alternatives] | None, offset: int,
+               finish_reason: str | None = None) -> bytes:
+        raise NotImplementedError
+
+    def _usage_chunk(self, usage: Usage) -> bytes:
+        raise NotImplementedError
+
+
+class ChatStream(Stream):
+    def start(self) -> bytes:
+        return b"".join(self._event(index, ChatDelta(role="assistant", content="")) for index in range(len(self.texts)))
+
+    def _chunk(self, index, text, token, offset, finish_reason=None) -> bytes:
+        logprobs = None
+        if token is not None and self.reply.top_logprobs is not None:
+            logprobs = ChatLogprobs(content=[_token_logprob(self.tokenizer, *token, self.reply.top_logprobs)])
+        if not text and logprobs is None and finish_reason is None:
+            return b""
+        return self._event(index, ChatDelta(content=text) if text or logprobs else ChatDelta(), finish_reason,
+                           logprobs)
+
+    def _event(self, index: int, delta: ChatDelta, finish_reason: str | None = None,
+               logprobs: ChatLogprobs | None = None) -> bytes:
+        reply = self.reply
+        return _event(ChatCompletionChunk(id=reply.id, created=reply.created, model=reply.model, choices=[
             ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)]))
 
-    for choice in answer.choices:
-        yield chunk(choice.index, ChatDelta(role="assistant", content=""))
-        for k, piece in enumerate(token_pieces(tokenizer, choice.sequence.tokens, choice.text)):
-            logprobs = _chat_logprobs(tokenizer, choice.sequence, [k], answer.top_logprobs)
-            if piece or logprobs is not None:
-                yield chunk(choice.index, ChatDelta(content=piece), logprobs=logprobs)
-        yield chunk(choice.index, ChatDelta(), finish_reason=choice.finish_reason)
-    if include_usage:
-        yield _event(ChatCompletionChunk(id=answer.id, created=answer.created, model=answer.model, choices=[],
-                                         usage=answer.usage))
-    yield b"data: [DONE]\n\n"
+    def _usage_chunk(self, usage: Usage) -> bytes:
+        reply = self.reply
+        return _event(ChatCompletionChunk(id=reply.id, created=reply.created, model=reply.model, choices=[],
+                                          usage=usage))
 
 
-def completion(answer: Answer, tokenizer: PreTrainedTokenizerBase) -> Completion:
-    return Completion(id=answer.id, created=answer.created, model=answer.model, usage=answer.usage, choices=[
-        CompletionChoice(index=choice.index, text=choice.text, finish_reason=choice.finish_reason,
-                         logprobs=_completion_logprobs(tokenizer, choice.sequence, range(len(choice.sequence.tokens)),
-                                                       answer.top_logprobs, 0))
-        for choice in answer.choices])
+class CompletionStream(Stream):
+    def _chunk(self, index, text, token, offset, finish_reason=None) -> bytes:
+        logprobs = None
+        if token is not None:
+            logprobs = _completion_logprobs(self.tokenizer, [token], self.reply.top_logprobs, offset)
+        if not text and logprobs is None and finish_reason is None:
+            return b""
+        reply = self.reply
+        return _event(Completion(id=reply.id, created=reply.created, model=reply.model, choices=[
+            CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=logprobs)]))
+
+    def _usage_chunk(self, usage: Usage) -> bytes:
+        reply = self.reply
+        return _event(Completion(id=reply.id, created=reply.created, model=reply.model, choices=[], usage=usage))
 
 
-def completion_stream(answer: Answer, tokenizer: PreTrainedTokenizerBase, include_usage: bool) -> Iterator[bytes]:
-    def chunk(choice: CompletionChoice) -> bytes:
-        return _event(Completion(id=answer.id, created=answer.created, model=answer.model, choices=[choice]))
+class _StreamedText:
+    """One choice's text as its tokens arrive: what may be sent so far, and what was."""
 
-    for choice in answer.choices:
-        offset = 0
-        for k, piece in enumerate(token_pieces(tokenizer, choice.sequence.tokens, choice.text)):
-            logprobs = _completion_logprobs(tokenizer, choice.sequence, [k], answer.top_logprobs, offset)
-            offset += len(piece)
-            if piece or logprobs is not None:
-                yield chunk(CompletionChoice(index=choice.index, text=piece, finish_reason=None, logprobs=logprobs))
-        yield chunk(CompletionChoice(index=choice.index, text="", finish_reason=choice.finish_reason))
-    if include_usage:
-        yield _event(Completion(id=answer.id, created=answer.created, model=answer.model, choices=[],
-                                usage=answer.usage))
-    yield b"data: [DONE]\n\n"
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: tuple[str, ...]):
+        self.tokenizer, self.stop_strings = tokenizer, stop_strings
+        self.tokens: list[int] = []
+        self.text = ""
+        """The text decoded so far (up to the last token that completed a character)."""
+        self.sent = 0
+        """Characters of `text` sent."""
+        self._prefix = self._read = 0
+        """Tokens [prefix, read) are decoded again beside the new ones, for the context their text depends on."""
 
-
-def token_pieces(tokenizer: PreTrainedTokenizerBase, tokens: list[int], text: str) -> list[str]:
-    """Per token, the part of `text` it adds. A token that ends inside a character adds nothing until the
-    character is complete (decoded a few tokens at a time, as vLLM does); text past a stop string is dropped."""
-    pieces: list[str] = []
-    length = prefix = read = 0
-    for end in range(1, len(tokens) + 1):
-        before = tokenizer.decode(tokens[prefix:read], skip_special_tokens=True)
-        after = tokenizer.decode(tokens[prefix:end], skip_special_tokens=True)
-        added = 0
+    def add(self, token: int) -> str:
+        """The text that may be sent now that `token` was sampled."""
+        self.tokens.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self.tokens[self._prefix:self._read], skip_special_tokens=True)
+        after = decode(self.tokens[self._prefix:], skip_special_tokens=True)
         if len(after) > len(before) and not after.endswith("\ufffd"):
-            added, prefix, read = len(after) - len(before), read, end
-        pieces.append(text[length:length + added])
-        length += len(pieces[-1])
-    if pieces:
-        pieces[-1] += text[length:]
-    return pieces
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(self.tokens)
+        end = max(self.sent, self._sendable())
+        piece, self.sent = self.text[self.sent:end], end
+        return piece
+
+    def rest(self, final_text: str) -> str:
+        """What is left to send of the choice's final text."""
+        piece, self.sent = final_text[self.sent:], max(self.sent, len(final_text))
+        return piece
+
+    def _sendable(self) -> int:
+        """How much of the text is sure to be sent: up to a stop string, or to a tail that may begin one."""
+        text = self.text
+        found = [at for at in (text.find(stop) for stop in self.stop_strings) if at >= 0]
+        if found:
+            return min(found)
+        for length in range(min(len(text), max((len(s) for s in self.stop_strings), default=1) - 1), 0, -1):
+            if any(stop.startswith(text[-length:]) for stop in self.stop_strings):
+                return len(text) - length
+        return len(text)
+
+
+def _tokens(sequence: SampledSequence):
+    """(token, logprob, alternatives) of each sampled token."""
+    best = sequence.topk_logprobs or [None] * len(sequence.tokens)
+    return zip(sequence.tokens, sequence.logprobs, best)
 
 
 def _token(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def _chat_logprobs(tokenizer: PreTrainedTokenizerBase, sequence: SampledSequence, positions,
-                   top_logprobs: int | None) -> ChatLogprobs | None:
-    if top_logprobs is None:
-        return None
-    content = []
-    for k in positions:
-        token = _token(tokenizer, sequence.tokens[k])
-        alternatives = (sequence.topk_logprobs[k] or [])[:top_logprobs] if top_logprobs else []
-        content.append(TokenLogprob(
-            token=token, logprob=sequence.logprobs[k], bytes=list(token.encode()),
-            top_logprobs=[TopLogprob(token=(alt := _token(tokenizer, t)), logprob=lp, bytes=list(alt.encode()))
-                          for t, lp in alternatives]))
-    return ChatLogprobs(content=content)
+def _token_logprob(tokenizer: PreTrainedTokenizerBase, token_id: int, logprob: float, best: Alternatives,
+                   top_logprobs: int) -> TokenLogprob:
+    token = _token(tokenizer, token_id)
+    return TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode()), top_logprobs=[
+        TopLogprob(token=(alt := _token(tokenizer, t)), logprob=lp, bytes=list(alt.encode()))
+        for t, lp in (best or [])[:top_logprobs]])
 
 
-def _completion_logprobs(tokenizer: PreTrainedTokenizerBase, sequence: SampledSequence, positions,
+def _completion_logprobs(tokenizer: PreTrainedTokenizerBase, tokens: list[tuple[int, float, Alternatives]],
                          top_logprobs: int | None, offset: int) -> CompletionLogprobs | None:
     if top_logprobs is None:
         return None
-    tokens, offsets = [], []
-    for k in positions:
-        tokens.append(_token(tokenizer, sequence.tokens[k]))
+    names, offsets = [], []
+    for token_id, _, _ in tokens:
+        names.append(_token(tokenizer, token_id))
         offsets.append(offset)
-        offset += len(tokens[-1])
+        offset += len(names[-1])
     return CompletionLogprobs(
-        tokens=tokens, token_logprobs=[sequence.logprobs[k] for k in positions], text_offset=offsets,
-        top_logprobs=[{_token(tokenizer, t): lp for t, lp in (sequence.topk_logprobs[k] or [])[:top_logprobs]}
-                      if top_logprobs else {} for k in positions])
+        tokens=names, token_logprobs=[logprob for _, logprob, _ in tokens], text_offset=offsets,
+        top_logprobs=[{_token(tokenizer, t): lp for t, lp in (best or [])[:top_logprobs]} for _, _, best in tokens])
 
 
 def _event(body: BaseModel) -> bytes:

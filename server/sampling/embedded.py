@@ -10,7 +10,8 @@ time when they do not all fit, and one request holds at most half the budget whi
 request with no row yet may take one beyond the budget (such rows add at most an eighth, at least
 one), so a request that arrives while long rows fill the batch starts at the next step. Each
 sample draws with its own generator (sample i of seed s with seed s + i, as vLLM), so its tokens do
-not depend on what else is in the batch or on when it joined.
+not depend on what else is in the batch or on when it joined. A request's `on_token` gets each token as it
+is sampled.
 
 Like vLLM it takes the sampling renderer's collapsed prompt (one image pad per image, plus the
 images) and expands the pads itself, with image features from its vision cache. Media placeholders
@@ -715,6 +716,8 @@ class _Batch:
         sequence.logprobs.append(logprob)
         if best is not None:
             sequence.topk_logprobs.append(best)
+        if active.request.on_token is not None:
+            active.request.on_token(sample, token, logprob, best)
         options = active.request.options
         if token in active.stop_token_ids or self._has_stop_string(active, sequence.tokens):
             sequence.stop_reason = "stop"

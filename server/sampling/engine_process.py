@@ -3,7 +3,8 @@ holds the interpreter lock that the server's HTTP front needs: on a GPU, where t
 rather than done, the two each keep a core busy, and in one process they took turns (benchmarks/RESULTS.md).
 
 The parent side is a `SamplingEngine`: `submit` sends the request down a pipe and returns a future, which a
-reader thread completes when the child answers. An in-memory adapter (a snapshot) crosses once, as a CPU copy,
+reader thread completes when the child answers (a request's `on_token` stays here: the child sends each token it
+samples, and the reader thread hands it over). An in-memory adapter (a snapshot) crosses once, as a CPU copy,
 the first time its name is used; later requests name it, and `forget` drops it in the child too. Saved
 checkpoints are loaded by the child from their directory. The child starts on the first request (a server
 whose clients never sample never starts it); if it dies, every request in flight fails with a 503 and the
@@ -11,6 +12,7 @@ next request starts a new one. Knows nothing about HTTP, the store or the wire f
 """
 
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -23,12 +25,14 @@ from server.config import ModelConfig, SamplerConfig
 from server.errors import EngineUnavailable
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedEngine
-from server.sampling.types import SampleOutput, SamplingRequest
+from server.sampling.types import SampleOutput, SamplingRequest, TokenHook
 from server.training.lora import LoraAdapter
 
 logger = logging.getLogger(__name__)
 
 _START_SECONDS = 600.0
+# In place of an output, marks a message of the child as one streamed token: (request id, _TOKEN, token).
+_TOKEN = "token"
 
 
 class EngineProcess:
@@ -82,6 +86,8 @@ class _Child:
         self.alive = True
         self._ids = itertools.count()
         self._pending: dict[int, Future] = {}
+        self._streams: dict[int, TokenHook] = {}
+        """The `on_token` of each pending request that streams."""
         self._pending_lock = threading.Lock()
         self._adapters: set[str] = set()
         """Names of the snapshots whose weights the child holds."""
@@ -91,6 +97,9 @@ class _Child:
     def submit(self, request: SamplingRequest) -> Future:
         future, request_id = Future(), next(self._ids)
         weights = None
+        on_token = request.on_token  # stays here: the child sends the tokens, the reader hands them over
+        if on_token is not None:
+            request = dataclasses.replace(request, on_token=None)
         adapter = request.adapter
         if adapter is not None and adapter.weights is not None:
             if adapter.name not in self._adapters:
@@ -99,11 +108,14 @@ class _Child:
             request = dataclasses.replace(request, adapter=dataclasses.replace(adapter, weights=None))
         with self._pending_lock:
             self._pending[request_id] = future
+            if on_token is not None:
+                self._streams[request_id] = on_token
         try:
-            self._connection.send(("sample", request_id, request, weights))
+            self._connection.send(("sample", request_id, request, weights, on_token is not None))
         except (OSError, ValueError) as error:  # the child is gone: the reader fails what it held
             with self._pending_lock:
                 self._pending.pop(request_id, None)
+                self._streams.pop(request_id, None)
             raise EngineUnavailable(f"the embedded sampling engine's process is gone: {error}") from error
         return future
 
@@ -127,12 +139,19 @@ class _Child:
         self._reader.join(timeout=10)
 
     def _read(self) -> None:
-        """Reader thread: complete each future with what the child answers; fail the rest if it dies."""
+        """Reader thread: complete each future with what the child answers, stream the tokens it sends; fail the
+        rest if it dies."""
         try:
             while True:
                 request_id, output, error = self._connection.recv()
+                if output == _TOKEN:
+                    with self._pending_lock:
+                        on_token = self._streams[request_id]
+                    on_token(*error)
+                    continue
                 with self._pending_lock:
                     future = self._pending.pop(request_id)
+                    self._streams.pop(request_id, None)
                 if error is None:
                     future.set_result(output)
                 else:
@@ -146,7 +165,7 @@ class _Child:
         failure = EngineUnavailable(f"the embedded sampling engine's process ended (exit code {code}); send the "
                                     f"request again")
         with self._pending_lock:
-            pending, self._pending = self._pending, {}
+            pending, self._pending, self._streams = self._pending, {}, {}
         for future in pending.values():
             future.set_exception(failure)
 
@@ -161,6 +180,13 @@ def _serve(connection: Connection, model: ModelConfig, feature_cache_bytes: int,
     snapshots: dict[str, LoraAdapter] = {}
     sending = threading.Lock()
 
+    def send_token(request_id: int, *token) -> None:
+        with sending:
+            try:
+                connection.send((request_id, _TOKEN, token))
+            except (OSError, ValueError):  # the parent is gone
+                pass
+
     def answer(request_id: int, done: Future) -> None:
         error = done.exception()
         with sending:
@@ -173,7 +199,9 @@ def _serve(connection: Connection, model: ModelConfig, feature_cache_bytes: int,
         if message[0] == "forget":
             snapshots.pop(message[1], None)
             continue
-        _, request_id, request, weights = message
+        _, request_id, request, weights, streams = message
+        if streams:
+            request = dataclasses.replace(request, on_token=functools.partial(send_token, request_id))
         adapter = request.adapter
         if weights is not None:
             snapshots[adapter.name] = weights.frozen_copy(device=model.device)

@@ -6,6 +6,7 @@ one new field here. Shared by the embedded engine (embedded.py) and vLLM (vllm.p
 not care which engine served them. Knows nothing about HTTP, the wire format or the store.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +98,11 @@ class AdapterRef:
     """In memory already (snapshots); else loaded from `directory` by an engine that needs the tensors."""
 
 
+TokenHook = Callable[[int, int, float, list[tuple[int, float]] | None], None]
+"""Called with (sample index, token id, its logprob, its top-k alternatives or None) for each token as it is
+sampled, on an engine thread: it must return at once (hand the token to an event loop, say)."""
+
+
 @dataclass(frozen=True)
 class SamplingRequest:
     """One prompt to sample: everything that decides the result travels in here."""
@@ -108,6 +114,9 @@ class SamplingRequest:
     """None samples the base model."""
     num_samples: int = 1
     logprobs: LogprobOptions = field(default_factory=LogprobOptions)
+    on_token: TokenHook | None = field(default=None, compare=False)
+    """Streams each token as it is sampled, before the future completes. An engine that gets whole results only
+    (vLLM) calls it for none: the tokens it did not stream are in the result. None: nothing is streamed."""
 
     def __post_init__(self):
         if self.num_samples < 1:

@@ -1,18 +1,28 @@
 """The OpenAI-compatible API (/oai/api/v1) with the official `openai` client against the README's live server
 (tiny Qwen2-VL): chat with an image rendered as the chat template writes it and sampled as the SDK samples
 it, streamed and not; text completions with n, seeds, stops and logprobs; a trained checkpoint by its
-tinker:// path, for its tenant only; and bad input refused with a 4xx that leaves the server serving."""
+tinker:// path, for its tenant only; and bad input refused with a 4xx that leaves the server serving. A server
+in this process, its engine held at a decode step, shows a stream's tokens sent as they are sampled."""
 
 import base64
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
+import uvicorn
 from PIL import Image
 from tinker import types
 
 from client_compat.chat import ChatRenderer
+from server.app import create_app
+from server.config import parse_config
 from server.models.builtin import ensure_builtin_model
-from support.live_server import LiveServer
+from server.sampling import embedded
+from support.engines import with_logged_forwards
+from support.live_server import LiveServer, free_port
 from support.sdk import supervised_datum
 from support.vision import encode
 
@@ -79,9 +89,11 @@ def test_text_completions_take_n_seeds_stops_and_logprobs_and_stream(tenant):
     assert [c.finish_reason for c in stopped.choices] == ["stop" if stop in c.text else c.finish_reason
                                                           for c in first.choices]
 
-    streamed = list(client.completions.create(**asked, stream=True))
+    streamed = list(client.completions.create(**asked, stop=[stop], stream=True))
     texts = ["".join(e.choices[0].text for e in streamed if e.choices[0].index == i) for i in range(3)]
-    assert texts == [c.text for c in first.choices]
+    assert texts == [c.text for c in stopped.choices]  # never a character past the stop string
+    assert [[e.choices[0].finish_reason for e in streamed if e.choices[0].index == i][-1]
+            for i in range(3)] == [c.finish_reason for c in stopped.choices]
     batched = client.completions.create(model=MODEL, prompt=["One two", "three four"], max_tokens=2, n=2)
     assert [c.index for c in batched.choices] == [0, 1, 2, 3]
 
@@ -133,3 +145,59 @@ def test_bad_requests_get_a_4xx_that_names_the_problem_and_the_server_keeps_serv
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=client.base_url, api_key="tml-not-a-key", max_retries=0).models.list()
     assert client.chat.completions.create(model=MODEL, messages=[message], max_tokens=1).choices[0].message
+
+
+@contextlib.contextmanager
+def server_in_this_process(data_dir: Path, models_dir: Path) -> Iterator[str]:
+    """The server (tiny Qwen3, no keys) on uvicorn in a thread of the test's process: its engine can be held."""
+    data_dir.mkdir()
+    (data_dir / "models").symlink_to(models_dir, target_is_directory=True)
+    port = free_port()
+    config = parse_config(["--base-model", "builtin:tiny-qwen3", "--data-dir", str(data_dir), "--port", str(port),
+                           "--auth", "none", "--sampler-process", "off"])
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive(), "the server did not start"
+        threading.Event().wait(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}/oai/api/v1"
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def test_a_stream_sends_each_token_as_the_engine_samples_it(models_dir, tmp_path, monkeypatch):
+    forwards, released = [], threading.Event()
+
+    def hold(engine_model, call):  # the third forward (the second decode step) waits for the client's first token
+        forwards.append(call)
+        if len(forwards) == 3:
+            assert released.wait(timeout=60), "no token reached the client while the engine was held"
+
+    load = embedded.load_engine_model
+    monkeypatch.setattr(embedded, "load_engine_model", lambda *args: with_logged_forwards(load(*args), hold))
+    asked = dict(model="builtin:tiny-qwen3", messages=[{"role": "user", "content": "Count to ten."}], max_tokens=8,
+                 seed=3, temperature=1.0, logprobs=True)
+    with server_in_this_process(tmp_path / "data", models_dir) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        try:
+            stream = client.chat.completions.create(**asked, stream=True, stream_options={"include_usage": True})
+            events = []
+            for event in stream:  # the role, then the first sampled token (with its logprob)
+                events.append(event)
+                if event.choices and event.choices[0].logprobs is not None:
+                    break
+            assert not released.is_set() and len(forwards) <= 3  # the engine has not gone past the held step
+            released.set()
+            events += list(stream)
+        finally:
+            released.set()
+        whole = client.chat.completions.create(**asked)
+    assert len(forwards) > 3 and whole.usage.completion_tokens == 8  # the request did run past the held step
+    assert "".join(e.choices[0].delta.content or "" for e in events if e.choices) == whole.choices[0].message.content
+    assert [t.logprob for e in events if e.choices and e.choices[0].logprobs for t in e.choices[0].logprobs.content] \
+        == pytest.approx([t.logprob for t in whole.choices[0].logprobs.content], abs=1e-4)
+    assert [e.choices[0].finish_reason for e in events if e.choices][-1] == whole.choices[0].finish_reason
+    assert events[-1].usage == whole.usage

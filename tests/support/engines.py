@@ -16,20 +16,22 @@ def logged_engine(base_model: str, models_dir: Path, log: Callable[[EngineModel,
     """An engine on the built-in `base_model` whose language model calls `log(engine_model, kwargs)` before
     each forward."""
 
-    def build():
-        engine_model = load_engine_model(ModelConfig(base_model=base_model, model_path=None,
-                                                     model_cache_dir=models_dir), 1 << 26)
-        inner = engine_model.model.model
-        forward = inner.forward
+    return EmbeddedEngine(lambda: with_logged_forwards(load_engine_model(
+        ModelConfig(base_model=base_model, model_path=None, model_cache_dir=models_dir), 1 << 26), log),
+        **engine_options)
 
-        def logged(*args, **call):
-            log(engine_model, call)
-            return forward(*args, **call)
 
-        inner.forward = logged
-        return engine_model
+def with_logged_forwards(engine_model: EngineModel, log: Callable[[EngineModel, dict], None]) -> EngineModel:
+    """The engine's model, its language model now calling `log(engine_model, kwargs)` before each forward."""
+    inner = engine_model.model.model
+    forward = inner.forward
 
-    return EmbeddedEngine(build, **engine_options)
+    def logged(*args, **call):
+        log(engine_model, call)
+        return forward(*args, **call)
+
+    inner.forward = logged
+    return engine_model
 
 
 def adapter(targets: list[LoraTarget], seed: int, rank: int, train_unembed: bool = True) -> LoraAdapter:

@@ -1,6 +1,9 @@
 """The embedded engine in a process of its own samples exactly what it samples in this process: the base model
-and an in-memory adapter (its weights cross once, by name), text and image prompts; a process that dies fails
-the requests it held with a 503 and the next request starts a new one. The tiny Qwen2-VL on the CPU."""
+and an in-memory adapter (its weights cross once, by name), text and image prompts, each token handed to the
+request's on_token as it is here; a process that dies fails the requests it held with a 503 and the next
+request starts a new one. The tiny Qwen2-VL on the CPU."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -59,10 +62,17 @@ def requests(base, models_dir) -> list[SamplingRequest]:
 def test_the_engine_in_its_own_process_samples_what_it_samples_here(engines, base, models_dir):
     child, here = engines
     for request in requests(base, models_dir) * 2:  # the second time, the adapter is named, not sent
-        got, expected = child.sample(request), here.sample(request)
+        streamed = {child: [], here: []}
+        got, expected = (engine.sample(dataclasses.replace(request, on_token=lambda *token, engine=engine:
+                                                           streamed[engine].append(token)))
+                         for engine in (child, here))
         for a, b in zip(got.sequences, expected.sequences, strict=True):
             assert a.tokens == b.tokens
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        # Each token was handed to on_token as well, from the child across the pipe too.
+        for engine, output in ((child, got), (here, expected)):
+            assert [[(token, logprob) for sample, token, logprob, _ in streamed[engine] if sample == i]
+                    for i in range(request.num_samples)] == [list(zip(s.tokens, s.logprobs)) for s in output.sequences]
         np.testing.assert_allclose(np.array(got.prompt_logprobs[1:]), np.array(expected.prompt_logprobs[1:]),
                                    atol=1e-5)
     child.forget("snapshot-1")  # dropped there too; a later request sends the weights again
