@@ -99,6 +99,7 @@ def test_an_adapter_that_does_not_fit_the_served_model_is_refused_by_what_does_n
     first = sorted(tensors)[0]  # a lora_A of layer 0's q_proj: [rank, in_features]
     renamed = {key.replace("self_attn.q_proj", "self_attn.nope_proj"): value for key, value in tensors.items()}
     narrowed = {**tensors, first: tensors[first][:, :-8].contiguous()}
+    poisoned = {**tensors, first: tensors[first].clone().fill_(float("nan"))}
     cases = [
         (import_body(adapter_dir, "bad", {"base_model_name_or_path": "Qwen/Qwen3-8B"}), "'Qwen/Qwen3-8B'"),
         (import_body(adapter_dir, "bad", {"r": 8}), "at rank 8 needs"),
@@ -107,6 +108,7 @@ def test_an_adapter_that_does_not_fit_the_served_model_is_refused_by_what_does_n
         (import_body(adapter_dir, "bad", weights=save(narrowed)), f"{first} has shape [4, 120]"),
         (import_body(adapter_dir, "bad", {"use_dora": True}), "use_dora"),
         (import_body(adapter_dir, "bad", weights=b"not safetensors"), "could not be read"),
+        (import_body(adapter_dir, "bad", weights=save(poisoned)), "not finite"),
     ]
     with httpx.Client(base_url=lifecycle_server.url, headers=lifecycle_server.headers(key), timeout=60) as http:
         for body, words in cases:
