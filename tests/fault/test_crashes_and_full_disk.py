@@ -354,18 +354,22 @@ def _kill_mid_step(server: LiveServer, model_id: str) -> None:
     """SIGKILL the server while the run's forward_backward runs with its optim_step queued behind it, both
     journaled (the server is stopped to look, so what is seen is what the kill leaves)."""
     step = [("ForwardBackward", "pending"), ("OptimStep", "pending")]
+    too_late = "the forward_backward finished before the kill: give it a larger batch"
     deadline = time.monotonic() + 120  # a hang guard
-    while _run_journal(server, model_id)[-2:] != step:
-        assert time.monotonic() < deadline, _run_journal(server, model_id)
+    while (last := _run_journal(server, model_id)[-2:]) != step:
+        assert ("ForwardBackward", "complete") not in last, too_late
+        assert time.monotonic() < deadline, last
+        time.sleep(0.01)
     server.process.send_signal(signal.SIGSTOP)
-    assert _run_journal(server, model_id)[-2:] == step, "the step finished before the kill: give it a larger batch"
+    assert _run_journal(server, model_id)[-2:] == step, too_late
     server.process.send_signal(signal.SIGKILL)
     server.process.wait()
 
 
 def _send_step(training: tinker.TrainingClient, batch: list[types.Datum]) -> list:
     """One training step, sent as a training loop sends it: forward_backward and optim_step back to back."""
-    return [training.forward_backward(batch, "cross_entropy"), training.optim_step(types.AdamParams(learning_rate=1e-2))]
+    return [training.forward_backward(batch, "cross_entropy"),
+            training.optim_step(types.AdamParams(learning_rate=1e-2))]
 
 
 def _train_step(training: tinker.TrainingClient, batch: list[types.Datum]) -> None:
