@@ -62,12 +62,14 @@ def run_export_command(command: ExportCommand) -> int:
     if record is None or record.checkpoint_type == "external":
         print(f"no checkpoint {command.merged} (weights/ or sampler_weights/ of a run on this server)", file=sys.stderr)
         return 2
+    adapter = load_checkpoint(record.directory, "cpu", with_optimizer=False).adapter
     model_dir = resolve_model_dir(ModelConfig(base_model=run.base_model, model_path=command.model_path,
                                               model_cache_dir=command.model_cache_dir))
     family = family_for(transformers.AutoConfig.from_pretrained(model_dir).model_type)
-    model = getattr(transformers, family.auto_class).from_pretrained(model_dir, dtype="auto")
     try:
-        apply_merged_adapter(model, load_checkpoint(record.directory, "cpu", with_optimizer=False).adapter)
+        adapter.check_finite("the checkpoint's weights")  # one an older server saved before optim_step refused them
+        model = getattr(transformers, family.auto_class).from_pretrained(model_dir, dtype="auto")
+        apply_merged_adapter(model, adapter)
     except InvalidRequest as error:
         print(error, file=sys.stderr)
         return 2

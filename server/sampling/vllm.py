@@ -1,8 +1,8 @@
 """The vLLM sampling engine: SamplingRequests sent to a vLLM server, SampleOutputs back.
 
 Owns the HTTP conversation with vLLM: requests, adapter loading, retries after a vLLM restart, and
-the choice of what vLLM must not serve. Knows nothing about rendering, checkpoints or the wire
-format; vllm_process.py runs the server.
+the choice of what vLLM must not serve. Knows nothing about rendering, the checkpoint store or the
+wire format; vllm_process.py runs the server.
 
 Endpoint: POST /inference/v1/generate (vLLM's token-in/token-out API, `--enable-scale-out`), the
 one route that takes prompt token ids together with images (`content_parts`: PNG data URLs; vLLM
@@ -16,7 +16,8 @@ Adapters: POST /v1/load_lora_adapter by path under the caller's name, one name p
 resolver, which needs every adapter in one flat directory with a base_model_name_or_path equal
 to vLLM's model path, and which surfaces a bad adapter only when a request names it. vLLM reloads
 an adapter its LRU evicted from the same path by itself; after a vLLM restart the name is
-unknown (404), so it is loaded again and the request retried.
+unknown (404), so it is loaded again and the request retried. A saved checkpoint's weights are
+checked finite before vLLM first loads them (snapshots were checked when the trainer took them).
 
 What vLLM does not serve goes to the embedded engine beside it (`fallback`), batched there too:
 - target_prompt_logprobs and prompt_alt_tokens_k. vLLM has no draws at prompt positions, and scores
@@ -44,6 +45,7 @@ from server.errors import (Conflict, EngineUnavailable, InvalidRequest, NotFound
 from server.sampling.types import AdapterRef, LogprobOptions, SampledSequence, SampleOutput, SamplingOptions, \
     SamplingRequest
 from server.sampling.vllm_process import VLLMEndpoint
+from server.training.checkpoint_io import load_checkpoint
 
 if TYPE_CHECKING:
     from server.sampling.engine import SamplingEngine
@@ -168,7 +170,7 @@ class VLLMEngine:
         for attempt in range(_MAX_ATTEMPTS):
             try:
                 if adapter is not None:
-                    body["model"] = self._ensure_adapter(adapter.name, adapter.directory)
+                    body["model"] = self._ensure_adapter(adapter)
                 response = self._post("/inference/v1/generate", body)
             except EngineUnavailable:
                 if attempt == _MAX_ATTEMPTS - 1:
@@ -191,9 +193,9 @@ class VLLMEngine:
             return response.json()
         raise EngineUnavailable(f"vLLM did not serve the request after {_MAX_ATTEMPTS} attempts")
 
-    def _ensure_adapter(self, name: str, path: Path) -> str:
+    def _ensure_adapter(self, adapter: AdapterRef) -> str:
         """Load the adapter into vLLM unless this sampler already did; returns the model name to send."""
-        path = Path(path).resolve()
+        name, path = adapter.name, Path(adapter.directory).resolve()
         with self._adapters_lock:
             loaded = self._adapters.get(name)
             load_lock = self._load_locks.setdefault(name, threading.Lock())
@@ -207,6 +209,10 @@ class VLLMEngine:
                     return name
             if not (path / "adapter_model.safetensors").exists():
                 raise NotFound(f"adapter files at {path} are gone")
+            if adapter.weights is None:
+                # A saved checkpoint, read from disk as vLLM will read it: one an older server saved before
+                # optim_step refused to make non-finite weights would sample garbage without an error.
+                load_checkpoint(path, "cpu", with_optimizer=False).adapter.check_finite("the checkpoint's weights")
             response = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
             if response.status_code == 400 and "already been loaded" in response.text:
                 # Loaded before this sampler's time (a restart of ours, a shared vLLM): trust it only

@@ -1,11 +1,11 @@
 """A PEFT LoRA adapter made elsewhere (`adapter_config.json` + `adapter_model.safetensors`) -> a `LoraAdapter`
 of the served model, checked against its LoRA targets.
 
-Everything that would make the adapter mean something else here is refused by name: another base
+Everything that would make the adapter mean something else here, or nothing, is refused by name: another base
 model, a rank outside the server's limit or unlike its tensors' shapes, a module that is not one of
 the served model's LoRA targets (the vision tower, embeddings), a shape unlike the module's, and the
-PEFT options this server's LoRA does not compute (DoRA, rsLoRA, biases, per-module ranks). Knows
-nothing about tinker:// paths, tenants or HTTP.
+PEFT options this server's LoRA does not compute (DoRA, rsLoRA, biases, per-module ranks), and weights
+that are not finite. Knows nothing about tinker:// paths, tenants or HTTP.
 """
 
 from typing import Any
@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from server.errors import InvalidRequest
-from server.training.lora import LoraAdapter, LoraTarget
+from server.training.lora import LoraAdapter, LoraTarget, all_finite
 from server.wire.types import LoraConfig
 
 _PREFIX = "base_model.model."
@@ -70,6 +70,9 @@ def read_peft_adapter(peft_config: dict[str, Any], weights: bytes, targets: list
         tables[part][module] = tensor.float()
     if not tables["lora_A"]:
         raise InvalidRequest("adapter_model.safetensors holds no LoRA weights")
+    if not all_finite([*tables["lora_A"].values(), *tables["lora_B"].values()]):
+        raise InvalidRequest("adapter_model.safetensors holds weights that are not finite (NaN or inf); they "
+                             "cannot be saved, sampled or trained")
     unpaired = sorted(tables["lora_A"].keys() ^ tables["lora_B"].keys())
     if unpaired:
         raise InvalidRequest(f"adapter_model.safetensors: module {unpaired[0]} has only one of lora_A and lora_B")

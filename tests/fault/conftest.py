@@ -16,15 +16,8 @@ GAP_SECONDS = 2
 
 @pytest.fixture(scope="session")
 def fault_server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """One server for the fuzzing and malformed-input campaigns, with a short seq_id gap timeout."""
+    """One server for the fuzzing, malformed-input and load campaigns, with a short seq_id gap timeout."""
     live = start_server(tmp_path_factory.mktemp("fault"), None, models_dir, "--seq-gap-timeout", str(GAP_SECONDS))
     yield live
     live.stop()
 
-
-def rss_mib(pid: int) -> float:
-    """Resident memory of a process."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise LookupError(f"no VmRSS for pid {pid}")

@@ -1,4 +1,5 @@
-"""kill -9 during checkpoint overwrites, a second server on the same journal, full disks, SIGTERM mid-request."""
+"""kill -9 during checkpoint overwrites and during a training step, a second server on the same journal, full disks,
+SIGTERM mid-request."""
 
 import os
 import signal
@@ -342,24 +343,90 @@ def test_sigterm_stops_within_the_shutdown_timeout_and_fails_what_was_running(mo
     del long_sample
 
 
-def test_a_sample_in_flight_when_the_server_is_killed_completes_once_it_is_back(models_dir, tmp_path):
-    """Sampling futures live in memory: a kill -9 loses the request, and the SDK, whose poll then gets a 410,
-    sends the sample again to the restarted server. The caller only sees its result come later."""
+def _run_journal(server: LiveServer, model_id: str) -> list[tuple[str, str]]:
+    """A run's journaled requests in seq_id order: (request type, status)."""
+    with sqlite3.connect(f"file:{_journal_path(server)}?mode=ro", uri=True) as journal:
+        return journal.execute("SELECT request_type, status FROM futures WHERE model_id = ? ORDER BY seq_id",
+                               (model_id,)).fetchall()
+
+
+def _kill_mid_step(server: LiveServer, model_id: str) -> None:
+    """SIGKILL the server while the run's forward_backward runs with its optim_step queued behind it, both
+    journaled (the server is stopped to look, so what is seen is what the kill leaves)."""
+    step = [("ForwardBackward", "pending"), ("OptimStep", "pending")]
+    too_late = "the forward_backward finished before the kill: give it a larger batch"
+    deadline = time.monotonic() + 120  # a hang guard
+    while (last := _run_journal(server, model_id)[-2:]) != step:
+        assert ("ForwardBackward", "complete") not in last, too_late
+        assert time.monotonic() < deadline, last
+        time.sleep(0.01)
+    server.process.send_signal(signal.SIGSTOP)
+    assert _run_journal(server, model_id)[-2:] == step, too_late
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+
+
+def _send_step(training: tinker.TrainingClient, batch: list[types.Datum]) -> list:
+    """One training step, sent as a training loop sends it: forward_backward and optim_step back to back."""
+    return [training.forward_backward(batch, "cross_entropy"),
+            training.optim_step(types.AdamParams(learning_rate=1e-2))]
+
+
+def _train_step(training: tinker.TrainingClient, batch: list[types.Datum]) -> None:
+    for future in _send_step(training, batch):
+        future.result()
+
+
+def test_a_kill_9_mid_training_step_asks_for_it_again_and_a_resumed_run_ends_where_one_never_killed_ends(
+        models_dir, tmp_path):
+    """Training futures are journaled: the requests of a step the kill cut short answer "send it again" after the
+    restart (never a result for a step whose effect was lost), and a client that resumes from its checkpoint and
+    sends the step again ends with the weights and optimizer state of a run never killed: the step applied once.
+    Sampling futures live in memory: a sample in flight is sent again by the SDK, whose poll gets a 410, and its
+    caller only sees the result come later."""
     data_dir, port = tmp_path / "data", free_port()
     server = start_server(data_dir, None, models_dir, port=port)
-    sampler = server.service_client().create_sampling_client(base_model=BASE_MODEL).result()
-    future = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 2, types.SamplingParams(max_tokens=3000, stop=[]))
+    service = server.service_client()
+    never_killed = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result()
+    probe = [supervised_datum(never_killed.get_tokenizer(), SENTENCES[0])]
+    small = probe * 2
+    # Long enough (0.3 s or so here) that its optim_step is journaled behind its forward_backward before it ends.
+    tokens = list(range(5, 5 + 257))
+    large = [types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 256})] * 12
+    _train_step(never_killed, small)
+    _train_step(never_killed, large)
+    expected = forward_logprobs(never_killed, probe)[0]
+
+    training = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=5).result()
+    _train_step(training, small)
+    saved = training.save_state("step-1").result().path
+    sampler = service.create_sampling_client(base_model=BASE_MODEL).result()
+    # Long enough to be in flight at the kill (sent 0.2 s before it, on a loaded box): the 410 below shows it was.
+    sample = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 2, types.SamplingParams(max_tokens=1000, stop=[]))
     deadline = time.monotonic() + 60
     while server.metric("tinker_http_requests_total", route="/api/v1/asample", method="POST", status="200") < 1:
         assert time.monotonic() < deadline, "the sample was never accepted"
         time.sleep(0.05)
-    server.process.kill()
-    server.process.wait()
+    cut_short = _send_step(training, large)
+    _kill_mid_step(server, training.model_id)
     restarted = start_server(data_dir, None, models_dir, port=port)
     restarted.api_key = server.api_key  # the first start's key, an admin's: it reads the metrics
     try:
-        response = future.result(timeout=300)
-        assert [len(sequence.tokens) for sequence in response.sequences] == [3000, 3000]
+        for future in cut_short:
+            with pytest.raises(tinker.RequestFailedError, match="the server restarted before this request finished; "
+                                                                 "send it again"):
+                future.result(timeout=300)
+        # The run's weights were in memory: the client is told to resume from a checkpoint ...
+        with pytest.raises(tinker.RequestFailedError, match="not loaded on this server"):
+            training.forward(probe, "cross_entropy").result()
+        # ... and doing so, sending the step again, it ends where the run never killed ends.
+        resumed = restarted.service_client().create_training_client_from_state_with_optimizer(saved).result()
+        _train_step(resumed, large)
+        np.testing.assert_allclose(forward_logprobs(resumed, probe)[0], expected, rtol=0, atol=1e-5)
+
+        response = sample.result(timeout=300)
+        assert [len(sequence.tokens) for sequence in response.sequences] == [1000, 1000]
         assert restarted.metric("tinker_http_requests_total", route="/api/v1/retrieve_future", method="POST",
                                 status="410") >= 1
     finally:

@@ -12,7 +12,8 @@ import httpx
 import zstandard
 from PIL import Image
 
-from conftest import GAP_SECONDS, rss_mib
+from benchmarks.process_memory import process_tree, rss_mib
+from conftest import GAP_SECONDS
 from server.wire import tinker_public_pb2 as pb
 from support.live_server import BASE_MODEL, LiveServer
 from support.raw_run import RawRun
@@ -119,7 +120,7 @@ def test_malformed_inputs_get_4xx_keep_no_memory_and_wedge_no_run(fault_server: 
                 answer = http.post(path, **kwargs)
                 statuses[answer.status_code] = statuses.get(answer.status_code, 0) + 1
                 assert 400 <= answer.status_code < 500, (what, answer.text)
-            rss_after_round.append(rss_mib(fault_server.process.pid))
+            rss_after_round.append(rss_mib(process_tree(fault_server.process.pid)))
         # The run still trains.
         assert isinstance(run.result(run.forward(run.forward_body(run.next_seq_id())).json()["request_id"]), bytes)
     print(f"malformed inputs: answers {statuses}, server RSS after each round (MiB): {rss_after_round}")

@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tinker import types
 from transformers import AutoTokenizer
 
@@ -99,6 +100,7 @@ def test_an_adapter_that_does_not_fit_the_served_model_is_refused_by_what_does_n
     first = sorted(tensors)[0]  # a lora_A of layer 0's q_proj: [rank, in_features]
     renamed = {key.replace("self_attn.q_proj", "self_attn.nope_proj"): value for key, value in tensors.items()}
     narrowed = {**tensors, first: tensors[first][:, :-8].contiguous()}
+    poisoned = {**tensors, first: tensors[first].clone().fill_(float("nan"))}
     cases = [
         (import_body(adapter_dir, "bad", {"base_model_name_or_path": "Qwen/Qwen3-8B"}), "'Qwen/Qwen3-8B'"),
         (import_body(adapter_dir, "bad", {"r": 8}), "at rank 8 needs"),
@@ -107,6 +109,7 @@ def test_an_adapter_that_does_not_fit_the_served_model_is_refused_by_what_does_n
         (import_body(adapter_dir, "bad", weights=save(narrowed)), f"{first} has shape [4, 120]"),
         (import_body(adapter_dir, "bad", {"use_dora": True}), "use_dora"),
         (import_body(adapter_dir, "bad", weights=b"not safetensors"), "could not be read"),
+        (import_body(adapter_dir, "bad", weights=save(poisoned)), "not finite"),
     ]
     with httpx.Client(base_url=lifecycle_server.url, headers=lifecycle_server.headers(key), timeout=60) as http:
         for body, words in cases:
@@ -116,7 +119,7 @@ def test_an_adapter_that_does_not_fit_the_served_model_is_refused_by_what_does_n
 
 
 def test_a_checkpoint_exported_merged_into_its_base_model_decodes_greedily_as_the_sdk_samples_it(lifecycle_server,
-                                                                                                key, tmp_path):
+                                                                                                key, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     service = lifecycle_server.service_client(key)
@@ -141,3 +144,15 @@ def test_a_checkpoint_exported_merged_into_its_base_model_decodes_greedily_as_th
         for _ in sampled.sequences[0].tokens:
             ids.append(int(merged(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
     assert ids[len(prompt):] == sampled.sequences[0].tokens
+
+    # Weights that are not finite (a checkpoint an older server saved before optim_step refused them) are refused.
+    poisoned = training.save_weights_for_sampler("poisoned").result().path
+    weights_file = next((lifecycle_server.data_dir / "checkpoints" / training.model_id / "sampler_weights" /
+                         "poisoned").glob("v-*/adapter_model.safetensors"))
+    tensors = load_file(weights_file)
+    save_file({name: tensor.fill_(float("nan")) for name, tensor in tensors.items()}, weights_file)
+    assert run_export_command(parse_export_command(["--merged", poisoned, "--out", str(tmp_path / "poisoned"),
+                                                    "--data-dir", str(lifecycle_server.data_dir)])) == 2
+    assert "the checkpoint's weights are not finite" in capsys.readouterr().err
+    assert httpx.delete(f"{lifecycle_server.url}/api/v1/training_runs/{training.model_id}/checkpoints/"
+                        f"sampler_weights/poisoned", headers=lifecycle_server.headers(key)).status_code == 200

@@ -5,8 +5,10 @@ The tiny Qwen2-VL engine, which runs LoRA (test_sdk_with_vllm.py covers Qwen3-VL
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from hf_reference import (
     expand_image_pads,
     image_inputs,
@@ -18,7 +20,7 @@ from hf_reference import (
     write_adapter,
 )
 
-from server.errors import Conflict, NotFound
+from server.errors import Conflict, InvalidRequest, NotFound
 from server.sampling.types import SamplingOptions
 
 PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n"
@@ -127,3 +129,17 @@ def test_an_adapter_whose_files_are_gone_is_not_found(qwen2_vl, tmp_path):
     with pytest.raises(NotFound, match="gone"):
         qwen2_vl.sample(qwen2_vl.encode("Hi"), SamplingOptions(max_tokens=2),
                                 adapter=("qwen2-vl-missing", tmp_path / "missing"))
+
+
+def test_a_saved_adapter_with_non_finite_weights_is_refused_before_vllm_loads_it(qwen2_vl, tmp_path):
+    # As an older server may have saved it, before optim_step refused to make such weights.
+    path = write_adapter(qwen2_vl.model_dir, tmp_path / "poisoned", seed=5)
+    weights = load_file(path / "adapter_model.safetensors")
+    next(iter(weights.values()))[0, 0] = float("inf")
+    save_file(weights, path / "adapter_model.safetensors")
+    prompt, options = qwen2_vl.encode("Hi"), SamplingOptions(max_tokens=2, temperature=0.0)
+    with pytest.raises(InvalidRequest, match="the checkpoint's weights are not finite"):
+        qwen2_vl.sample(prompt, options, adapter=("qwen2-vl-poisoned", path))
+    served = httpx.get(f"{qwen2_vl.server.url}/v1/models").json()["data"]
+    assert "qwen2-vl-poisoned" not in {card["id"] for card in served}
+    assert len(qwen2_vl.sample(prompt, options).sequences[0].tokens) == 2
