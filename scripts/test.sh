@@ -16,14 +16,14 @@ cd "$(dirname "$0")/.."
 # The server, the test tools, the cookbook and its dependencies (requirements/cookbook.in says why apart).
 bash scripts/install.sh requirements/test.lock requirements/cookbook.lock
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" TINKER_TELEMETRY=0
-if [ "${1:-}" = "--quick" ]; then
-    shift
-    TEST_DATABASES=sqlite exec python -m pytest tests/unit -p no:cacheprovider "$@"
-fi
-bash scripts/install_vllm.sh >/dev/null
 workers=${TEST_WORKERS:-2}
 parallel=()
 if [ "$workers" != 0 ]; then
     parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
 fi
+if [ "${1:-}" = "--quick" ]; then
+    shift
+    TEST_DATABASES=sqlite exec python -m pytest tests/unit -p no:cacheprovider "${parallel[@]}" "$@"
+fi
+bash scripts/install_vllm.sh >/dev/null
 exec python -m pytest tests -p no:cacheprovider "${parallel[@]}" "$@"

@@ -24,7 +24,8 @@ logging.getLogger("tinker.lib.internal_client_holder").setLevel(logging.ERROR)
 # Where the suite's time goes first when scripts/test.sh runs it on two workers (pytest-xdist, --dist loadgroup):
 # the longest groups, so that neither worker is left with one at the end. Everything else follows in file order.
 _FIRST = ("tests/vllm/", "tests/e2e/test_real_model.py", "tests/e2e/", "tests/fault/test_crashes_and_full_disk.py",
-          "tests/integration/test_cookbook_recipes.py", "tests/integration/test_readme.py")
+          "tests/integration/test_cookbook_recipes.py", "tests/integration/test_readme.py",
+          "tests/unit/training/test_trainer.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
