@@ -23,8 +23,8 @@ from server.models.registry import family_for
 from server.store.checkpoints import parse_tinker_path
 from server.store.db import has_server_database
 from server.store.store import Store
-from server.training.checkpoint_io import load_checkpoint
-from server.training.lora import LoraAdapter
+from server.lora.checkpoint_io import load_checkpoint
+from server.lora.layers import LoraAdapter
 
 
 def apply_merged_adapter(model: nn.Module, adapter: LoraAdapter) -> None:

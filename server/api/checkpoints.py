@@ -44,7 +44,7 @@ from server.models.builtin import spellings
 from server.store.checkpoints import SCHEME, TinkerPath, parse_tinker_path, remove_checkpoint_files
 from server.store.retention import sweep_expired_checkpoints
 from server.store.store import CheckpointRecord, utcnow
-from server.training.peft_import import read_peft_adapter
+from server.lora.peft_import import read_peft_adapter
 from server.wire.lifecycle import (
     CheckpointTtlRequest,
     CopyWeightsRequest,

@@ -30,8 +30,8 @@ from server.rendering.chunks import RenderContext, RenderedInput
 from server.rendering.provenance import position_keys
 from server.rendering.sampling import VLLMRenderer
 from server.sampling.adapters import SamplerAdapters
-from server.sampling.engine import SamplingEngine, checkpoint_adapter_name
-from server.sampling.types import SampledSequence
+from server.sampling.engine import checkpoint_adapter_name
+from server.sampling.types import SampledSequence, SamplingEngine
 from server.scheduler.sampling import SamplingFutures
 from server.scheduler.scheduler import Respond, Scheduler
 from server.store.api_keys import BOOTSTRAP_TENANT, KnownKeys, hash_api_key

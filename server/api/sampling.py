@@ -28,7 +28,7 @@ from server.api.sampling_inputs import check_num_samples, pin_adapter, sampling_
 from server.errors import InvalidRequest
 from server.rendering.chunks import RenderedInput
 from server.sampling.types import LogprobOptions, PromptTargets, SampleOutput, SamplingRequest
-from server.wire.proto import SampledSequenceOut, encode_sample_response
+from server.wire.proto import encode_sample_response
 from server.wire.types import (
     CreateSamplingSessionRequest,
     CreateSamplingSessionResponse,
@@ -133,18 +133,15 @@ async def asample(request: Request) -> UntypedAPIFuture:
         if sample.record_stability_info:
             record_sampled_sequences(services, record, prompt, adapter and adapter.name, sequence_ids,
                                      output.sequences)
-        sequences = [SampledSequenceOut(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason,
-                                        topk_logprobs=s.topk_logprobs)
-                     for s in output.sequences]
         target_logprobs = None
         if targets is not None:
             values = np.zeros(len(asked), dtype=np.float32)
             values[asked] = output.target_prompt_logprobs
             target_logprobs = (values, sample.target_prompt_logprobs)
         alt = output.prompt_alt_tokens
-        services.metrics.count_sample(owner, sum(len(s.tokens) for s in sequences), output.prompt_cache_hit_tokens,
+        services.metrics.count_sample(owner, sum(len(s.tokens) for s in output.sequences), output.prompt_cache_hit_tokens,
                                       prompt.num_positions - output.prompt_cache_hit_tokens)
-        return encode_sample_response(sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk,
+        return encode_sample_response(output.sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk,
                                       target_prompt_logprobs=target_logprobs,
                                       prompt_alt_tokens=alt and (alt.tokens, alt.logprobs),
                                       prompt_cache_hit_tokens=output.prompt_cache_hit_tokens), PROTOBUF

@@ -37,7 +37,7 @@ from server.store.checkpoints import TinkerPath, parse_tinker_path, remove_check
 from server.store.db import is_disk_full, storage_failure
 from server.store.exports import AGE_SUFFIX, encrypt_files, parse_age_recipients
 from server.store.store import CheckpointRecord, TrainingRunRecord, utcnow
-from server.training.checkpoint_io import AdapterState, save_state
+from server.lora.checkpoint_io import AdapterState, save_state
 from server.training.operations import LoadState, SaveState, Snapshot
 from server.wire.lifecycle import SaveWeightsExternalRequest, SaveWeightsExternalResponse
 from server.wire.types import (

@@ -13,7 +13,7 @@ import torch
 
 from server.errors import InvalidRequest
 from server.rendering.chunks import RenderContext, position_ids, render_model_input
-from server.rendering.images import PreparedImage
+from server.models.image_processor import PreparedImage
 from server.wire.types import Datum
 
 

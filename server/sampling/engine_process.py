@@ -24,7 +24,7 @@ from server.errors import EngineUnavailable
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedEngine
 from server.sampling.types import SampleOutput, SamplingRequest
-from server.training.lora import LoraAdapter
+from server.lora.layers import LoraAdapter
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from server.errors import Conflict, Gone, Overloaded, ShuttingDown
 from server.metrics import ServerMetrics
-from server.sampling.engine import SamplingEngine
+from server.sampling.types import SamplingEngine
 from server.sampling.types import SampleOutput, SamplingRequest
 from server.scheduler.outcomes import Outcome, failure_of
 

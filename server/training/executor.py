@@ -7,8 +7,8 @@ who turns them into responses.
 """
 
 from server.errors import TinkerServerError
-from server.training.checkpoint_io import AdapterState
-from server.training.lora import LoraAdapter
+from server.lora.checkpoint_io import AdapterState
+from server.lora.layers import LoraAdapter
 from server.training.losses import resolve_loss
 from server.training.operations import (CreateModel, ForwardBackward, LoadState, Operation, OptimStep, SaveState,
                                         Snapshot, Unload)

@@ -28,9 +28,9 @@ from server.errors import InvalidRequest, NotFound
 from server.models.loading import LoadedModel, load_base_model
 from server.models.vision_features import VisionEncoder
 from server.rendering.training import TrainingExample
-from server.training import checkpoint_io
+from server.lora import checkpoint_io
 from server.training.forward import TargetLogprobs
-from server.training.lora import (AdapterStack, LoraAdapter, LoraTarget, all_finite, apply_lora_wrappers,
+from server.lora.layers import (AdapterStack, LoraAdapter, LoraTarget, all_finite, apply_lora_wrappers,
                                   select_targets, use_adapter, use_adapter_rows)
 from server.training.losses import DatumLoss, MicrobatchLoss, combine_metrics, resolve_loss
 from server.training.operations import ForwardBackward

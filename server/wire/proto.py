@@ -351,22 +351,25 @@ TopkRows = list[list[tuple[int, float]] | None]
 """Per position: up to k (token_id, logprob) pairs, best first, or None where nothing was scored."""
 
 
-@dataclass(frozen=True)
-class SampledSequenceOut:
-    """One generated sequence, as the sampler hands it to the codec."""
+@dataclass
+class SampledSequence:
+    """One completion: what both sampling engines produce and what the codec sends."""
 
     tokens: list[int]
     logprobs: list[float] | None
+    """Logprob of each token under the model's distribution (no temperature, top-k or top-p), with
+    media placeholders at zero probability (server/models/logprobs.py); None sends none."""
     stop_reason: Literal["stop", "length"]
+    """"stop" (stop token or stop string) or "length" (max_tokens reached)."""
     topk_logprobs: TopkRows | None = None
-    """Per token, its position's k best (topk_sample_logprobs)."""
+    """Per token, its position's k best (token, logprob) of the same distribution (topk_sample_logprobs)."""
 
 
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 
 def encode_sample_response(
-    sequences: list[SampledSequenceOut],
+    sequences: list[SampledSequence],
     prompt_logprobs: list[float | None] | None = None,
     topk_prompt_logprobs: TopkRows | None = None,
     target_prompt_logprobs: tuple[np.ndarray, TensorData] | None = None,

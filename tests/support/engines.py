@@ -8,7 +8,7 @@ import torch
 
 from server.config import ModelConfig
 from server.sampling.embedded import EmbeddedEngine, EngineModel, load_engine_model
-from server.training.lora import LoraAdapter, LoraTarget, select_targets
+from server.lora.layers import LoraAdapter, LoraTarget, select_targets
 
 
 def logged_engine(base_model: str, models_dir: Path, log: Callable[[EngineModel, dict], None],

@@ -11,7 +11,7 @@ from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedEngine
 from server.sampling.engine_process import EngineProcess
 from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
-from server.training.lora import apply_lora_wrappers
+from server.lora.layers import apply_lora_wrappers
 from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
 
 from support.engines import adapter

@@ -18,7 +18,7 @@ expert, H hidden, I expert intermediate, J stacked LoRA columns, B rows of the b
 import torch
 from torch import nn
 
-from server.training.adapter_settings import AdapterSettings
+from server.lora.settings import AdapterSettings
 
 # The module path suffixes PEFT gives fused expert parameters: gate_up_proj's LoRA sits on the experts
 # module's "base_layer", down_proj's on the module itself.

@@ -35,8 +35,8 @@ from torch import nn
 
 from server.errors import InvalidRequest
 from server.models.registry import ModelFamily
-from server.training.adapter_settings import AdapterSettings
-from server.training.lora_experts import ExpertProjection, LoraExperts, is_routed_experts
+from server.lora.settings import AdapterSettings
+from server.lora.experts import ExpertProjection, LoraExperts, is_routed_experts
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class LoraTarget:
     in_features: int
     out_features: int
     experts: int = 0
-    """For a MoE layer's fused routed experts (lora_experts.py): how many; A and B hold that many ranks."""
+    """For a MoE layer's fused routed experts (experts.py): how many; A and B hold that many ranks."""
 
 
 class AdapterSlot:
