@@ -33,7 +33,8 @@ from server.sampling.adapters import SamplerAdapters
 from server.sampling.engine import checkpoint_adapter_name
 from server.sampling.types import SampledSequence, SamplingEngine
 from server.scheduler.sampling import SamplingFutures
-from server.scheduler.scheduler import Respond, Scheduler
+from server.scheduler.requests import Respond
+from server.scheduler.scheduler import Scheduler
 from server.store.api_keys import BOOTSTRAP_TENANT, KnownKeys, hash_api_key
 from server.store.checkpoints import parse_tinker_path
 from server.store.exports import Signer

@@ -20,7 +20,7 @@ from server.api.deps import (
     training_run_record,
     TrainingSubmission,
 )
-from server.scheduler.scheduler import CREATION_SEQ_ID
+from server.scheduler.ordering import CREATION_SEQ_ID
 from server.training.operations import CreateModel
 from server.wire.types import (
     CreateModelRequest,

@@ -32,7 +32,7 @@ from server.api.deps import (
 )
 from server.errors import InvalidRequest
 from server.progress import Progress
-from server.scheduler.scheduler import CREATION_SEQ_ID
+from server.scheduler.ordering import CREATION_SEQ_ID
 from server.store.checkpoints import TinkerPath, parse_tinker_path, remove_checkpoint_files, sync_directory_tree
 from server.store.db import is_disk_full, storage_failure
 from server.store.exports import AGE_SUFFIX, encrypt_files, parse_age_recipients
