@@ -8,14 +8,11 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 from server.api.deps import (
-    PROTOBUF,
     OwnerDep,
     Services,
     ServicesDep,
     check_base_model,
     check_sampled_tokens,
-    checkpoint_of,
-    ensure_sampling_session,
     payload_hash,
     read_body,
     record_sampled_sequences,
@@ -25,9 +22,12 @@ from server.api.deps import (
     tenant_of,
 )
 from server.api.sampling_inputs import check_num_samples, pin_adapter, sampling_options
+from server.checkpoints.access import checkpoint_of
 from server.errors import InvalidRequest
 from server.rendering.chunks import RenderedInput
+from server.runs import ensure_sampling_session
 from server.sampling.types import LogprobOptions, PromptTargets, SampleOutput, SamplingRequest
+from server.wire import PROTOBUF
 from server.wire.proto import encode_sample_response
 from server.wire.types import (
     CreateSamplingSessionRequest,
@@ -50,8 +50,9 @@ async def create_sampling_session(body: CreateSamplingSessionRequest, services: 
     session_of(services.store, body.session_id, owner)
     check_base_model(services, body.base_model)
     if body.model_path is not None:
-        checkpoint_of(services, body.model_path, owner)
-    sampling_session_id = ensure_sampling_session(services, session_id=body.session_id,
+        checkpoint_of(services.store, services.signer, body.model_path, owner)
+    sampling_session_id = ensure_sampling_session(services.store, base_model=services.base.name,
+                                                  session_id=body.session_id,
                                                   sampling_session_seq_id=body.sampling_session_seq_id, owner=owner,
                                                   model_path=body.model_path)
     return CreateSamplingSessionResponse(sampling_session_id=sampling_session_id)
@@ -139,7 +140,8 @@ async def asample(request: Request) -> UntypedAPIFuture:
             values[asked] = output.target_prompt_logprobs
             target_logprobs = (values, sample.target_prompt_logprobs)
         alt = output.prompt_alt_tokens
-        services.metrics.count_sample(owner, sum(len(s.tokens) for s in output.sequences), output.prompt_cache_hit_tokens,
+        num_tokens = sum(len(sequence.tokens) for sequence in output.sequences)
+        services.metrics.count_sample(owner, num_tokens, output.prompt_cache_hit_tokens,
                                       prompt.num_positions - output.prompt_cache_hit_tokens)
         return encode_sample_response(output.sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk,
                                       target_prompt_logprobs=target_logprobs,

@@ -7,8 +7,9 @@ from functools import partial
 
 from fastapi import APIRouter, Query
 
-from server.api.deps import OwnerDep, Services, ServicesDep, check_storage_quota, session_of, string_map
+from server.api.deps import OwnerDep, Services, ServicesDep, session_of
 from server.errors import Conflict, Gone
+from server.runs import check_storage_quota, string_map
 from server.store.store import SessionQuery, SessionSearchHit
 from server.wire.lifecycle import (
     AssignSessionProjectRequest,
@@ -52,7 +53,7 @@ async def client_config(body: ClientConfigRequest, services: ServicesDep) -> Cli
 @router.post("/create_session")
 async def create_session(body: CreateSessionRequest, services: ServicesDep, owner: OwnerDep) -> CreateSessionResponse:
     """Open an SDK session."""
-    await asyncio.to_thread(check_storage_quota, services, owner)
+    await asyncio.to_thread(check_storage_quota, services.store, services.config.limits, owner)
     session_id = str(uuid.uuid4())
     services.store.create_session(session_id, tags=body.tags, user_metadata=string_map(body.user_metadata),
                                   sdk_version=body.sdk_version, display_name=body.display_name, owner=owner)

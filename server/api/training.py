@@ -4,15 +4,17 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
-from server.api.deps import (PROTOBUF, OwnerDep, ServicesDep, TrainingSubmission, check_loss_config, json_result,
-                             read_body, recorded_sequences_of, run_of, submit_training_op, touch_run)
+from server.api.deps import (OwnerDep, ServicesDep, TrainingSubmission, check_loss_config, json_result, read_body,
+                             recorded_sequences_of, run_of, sequenced, submit_training_op)
 from server.errors import InvalidRequest
 from server.rendering.provenance import attach_recorded_samples, named_sequence_ids
 from server.rendering.training import render_training_datum
+from server.runs import touch_run
 from server.store.run_metrics import FORWARD_BACKWARD, OPTIM_STEP
 from server.training.curves import curve_metrics
 from server.training.losses import resolve_loss
 from server.training.operations import ForwardBackward, OptimStep
+from server.wire import PROTOBUF
 from server.wire.proto import (decode_forward_backward_request, encode_forward_backward_output,
                                inflate_forward_backward_body)
 from server.wire.types import AdamParams, OptimStepRequest, OptimStepResponse, UntypedAPIFuture
@@ -21,6 +23,7 @@ router = APIRouter(prefix="/api/v1")
 
 
 @router.post("/forward_backward")
+@sequenced("ForwardBackward")
 async def forward_backward(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
     """Compute the loss on a batch and, unless forward_only, accumulate its gradients."""
     limits = services.config.limits
@@ -55,7 +58,7 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
                 attach_recorded_samples(example, datum, index, recorded, vision.image_token_id if vision else None)
 
         def respond(result):
-            touch_run(services, fwdbwd.model_id)
+            touch_run(services.store, fwdbwd.model_id)
             if not fwdbwd.forward_only:
                 services.store.run_metrics.record(fwdbwd.model_id, FORWARD_BACKWARD,
                                                   curve_metrics(examples, result.outputs, result.metrics))
@@ -71,6 +74,7 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
 
 
 @router.post("/optim_step")
+@sequenced("OptimStep")
 async def optim_step(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
     """Apply one AdamW step with every AdamParams field, then clear the gradients."""
     body = await read_body(request, services.config.limits.max_request_bytes)

@@ -13,10 +13,10 @@ SERVER = Path(__file__).resolve().parents[2] / "server"
 LAYERS = [
     {"errors", "config"},
     {"progress", "metrics", "wire", "store", "connections", "banner"},
-    {"models", "keys"},
+    {"models", "keys", "runs"},
     {"rendering", "lora"},
     {"training", "sampling"},
-    {"scheduler", "adapter_imports", "merged_export"},
+    {"scheduler", "checkpoints", "adapter_imports", "merged_export"},
     {"api"},
     {"app"},
     {"__main__"},
