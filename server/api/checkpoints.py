@@ -21,7 +21,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from server.adapter_imports import write_imported_adapter
-from server.api.deps import OwnerDep, ServicesDep, new_request_id, payload_hash, read_body, session_of
+from server.api.deps import OwnerDep, Services, ServicesDep, new_request_id, payload_hash, read_body, session_of
 from server.checkpoints.access import checkpoint_of, owned_checkpoint_of
 from server.checkpoints.copying import copy_checkpoint, copy_checkpoint_once
 from server.checkpoints.lifecycle import delete_checkpoint, set_public, set_ttl
@@ -30,6 +30,7 @@ from server.lora.peft_import import read_peft_adapter
 from server.models.builtin import spellings
 from server.runs import check_storage_quota, model_id_for
 from server.store.checkpoints import SCHEME, TinkerPath, parse_tinker_path
+from server.store.store import CheckpointRecord
 from server.wire.lifecycle import (CheckpointTtlRequest, CopyWeightsRequest, CopyWeightsResponse,
                                    ExternalWeightsUrlsResponse, ImportAdapterRequest, ImportAdapterResponse,
                                    WeightsAccessTokenResponse)
@@ -47,6 +48,11 @@ def _tinker_path(model_id: str, checkpoint_id: str) -> str:
     return f"{SCHEME}{model_id}/{checkpoint_id}"
 
 
+async def _owned(services: Services, model_id: str, checkpoint_id: str, owner: str) -> CheckpointRecord:
+    """The caller's own checkpoint, read off the event loop, or 404."""
+    return await asyncio.to_thread(owned_checkpoint_of, services.store, _tinker_path(model_id, checkpoint_id), owner)
+
+
 @router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_path:path}")
 async def delete_or_unpublish_checkpoint(model_id: str, checkpoint_path: str, services: ServicesDep,
                                          owner: OwnerDep) -> dict:
@@ -55,19 +61,19 @@ async def delete_or_unpublish_checkpoint(model_id: str, checkpoint_path: str, se
     # "publish". Names never hold '/', which makes the two forms tell apart by their number of parts.
     parts = checkpoint_path.split("/")
     if len(parts) == 3 and parts[2] == "publish":
-        record = owned_checkpoint_of(services.store, _tinker_path(model_id, "/".join(parts[:2])), owner)
-        set_public(services.store, record, public=False)
+        record = await _owned(services, model_id, "/".join(parts[:2]), owner)
+        await asyncio.to_thread(set_public, services.store, record, public=False)
         return {}
-    record = owned_checkpoint_of(services.store, _tinker_path(model_id, checkpoint_path), owner)
-    delete_checkpoint(services.checkpoints, record)
+    record = await _owned(services, model_id, checkpoint_path, owner)
+    await asyncio.to_thread(delete_checkpoint, services.checkpoints, record)
     return {}
 
 
 @router.post("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
 async def publish_checkpoint(model_id: str, checkpoint_id: str, services: ServicesDep, owner: OwnerDep) -> dict:
     """Make a checkpoint readable by every tenant; 409 if it already is."""
-    set_public(services.store, owned_checkpoint_of(services.store, _tinker_path(model_id, checkpoint_id), owner),
-               public=True)
+    record = await _owned(services, model_id, checkpoint_id, owner)
+    await asyncio.to_thread(set_public, services.store, record, public=True)
     return {}
 
 
@@ -75,8 +81,8 @@ async def publish_checkpoint(model_id: str, checkpoint_id: str, services: Servic
 async def set_checkpoint_ttl(model_id: str, checkpoint_id: str, body: CheckpointTtlRequest, services: ServicesDep,
                              owner: OwnerDep) -> dict:
     """Set a checkpoint's expiry to ttl_seconds from now, or remove it; expired checkpoints are deleted."""
-    set_ttl(services.store, owned_checkpoint_of(services.store, _tinker_path(model_id, checkpoint_id), owner),
-            body.ttl_seconds)
+    record = await _owned(services, model_id, checkpoint_id, owner)
+    await asyncio.to_thread(set_ttl, services.store, record, body.ttl_seconds)
     return {}
 
 
@@ -85,7 +91,7 @@ async def create_weights_access_token(model_id: str, checkpoint_id: str, service
                                       owner: OwnerDep) -> WeightsAccessTokenResponse:
     """A token to hand to another tenant, who passes it as `weights_access_token` to load or copy the checkpoint
     (not part of the SDK: Tinker issues these in its console)."""
-    record = owned_checkpoint_of(services.store, _tinker_path(model_id, checkpoint_id), owner)
+    record = await _owned(services, model_id, checkpoint_id, owner)
     return WeightsAccessTokenResponse(weights_access_token=services.signer.weights_access_token(
         record.tinker_path, record.created_at.isoformat()))
 
@@ -94,14 +100,18 @@ async def create_weights_access_token(model_id: str, checkpoint_id: str, service
 async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request, services: ServicesDep,
                                 owner: OwnerDep) -> ExternalWeightsUrlsResponse:
     """Signed, expiring URLs of an external weights checkpoint's files (fetched without an API key)."""
-    record = checkpoint_of(services.store, services.signer, _tinker_path(model_id, checkpoint_id), owner)
-    if record.checkpoint_type != "external":
-        raise InvalidRequest(f"{record.tinker_path} is not an external weights checkpoint "
-                             f"(tinker://RUN/external_weights/NAME, from save_weights_external)")
+    def files():
+        record = checkpoint_of(services.store, services.signer, _tinker_path(model_id, checkpoint_id), owner)
+        if record.checkpoint_type != "external":
+            raise InvalidRequest(f"{record.tinker_path} is not an external weights checkpoint "
+                                 f"(tinker://RUN/external_weights/NAME, from save_weights_external)")
+        return record, sorted(p.name for p in Path(record.directory).iterdir() if p.is_file())
+
+    record, file_names = await asyncio.to_thread(files)
     expires = int(time.time()) + DOWNLOAD_URL_SECONDS
     name = parse_tinker_path(record.tinker_path).name
     urls = {}
-    for file_name in sorted(p.name for p in Path(record.directory).iterdir() if p.is_file()):
+    for file_name in file_names:
         signature = services.signer.download_signature(f"{record.tinker_path}/{file_name}", expires)
         url = request.url_for("download_external_weights", model_id=record.model_id, name=name, file_name=file_name)
         urls[file_name] = f"{url}?{urlencode({'expires': expires, 'signature': signature})}"
@@ -115,13 +125,17 @@ async def download_external_weights(model_id: str, name: str, file_name: str, se
     tinker_path = str(TinkerPath(model_id, "external_weights", name))
     if not services.signer.valid_download(f"{tinker_path}/{file_name}", expires, signature, time.time()):
         raise Forbidden("this download URL is invalid or has expired; ask for new ones (external_weights_urls)")
-    record = services.store.get_checkpoint(tinker_path)
-    path = Path(record.directory) / file_name if record is not None else None
-    try:
-        # Opened here, so that deleting the checkpoint meanwhile cannot cut the download short.
-        handle = open(path, "rb") if path is not None else None
-    except FileNotFoundError:
-        handle = None
+
+    def opened():
+        record = services.store.get_checkpoint(tinker_path)
+        path = Path(record.directory) / file_name if record is not None else None
+        try:
+            # Opened here, so that deleting the checkpoint meanwhile cannot cut the download short.
+            return open(path, "rb") if path is not None else None
+        except FileNotFoundError:
+            return None
+
+    handle = await asyncio.to_thread(opened)
     if handle is None:
         raise NotFound(f"{tinker_path} has no file {file_name} (deleted or expired)")
     size = os.fstat(handle.fileno()).st_size
@@ -143,11 +157,12 @@ async def copy_weights(body: CopyWeightsRequest, services: ServicesDep, owner: O
 
     The SDK sends one X-Idempotency-Key for all retries of a call: a retry gets the first copy's answer.
     """
-    source = checkpoint_of(services.store, services.signer, body.source_path, owner,
-                           access_token=x_tinker_weights_access_token or body.weights_access_token)
+    source = await asyncio.to_thread(checkpoint_of, services.store, services.signer, body.source_path, owner,
+                                     x_tinker_weights_access_token or body.weights_access_token)
     if body.session_id is not None:
-        session_of(services.store, body.session_id, owner)
-        if services.store.get_training_run(model_id_for(body.session_id, body.model_seq_id)) is not None:
+        await session_of(services.store, body.session_id, owner)
+        target_run = model_id_for(body.session_id, body.model_seq_id)
+        if await asyncio.to_thread(services.store.get_training_run, target_run) is not None:
             raise Conflict(f"session {body.session_id} already has a run {body.model_seq_id}")
     if x_idempotency_key is None:
         return await asyncio.to_thread(copy_checkpoint, services.checkpoints, services.base.name, source, body, owner)

@@ -178,25 +178,30 @@ async def read_body(request: Request, limit: int) -> bytes:
     return request.state.body
 
 
-def session_of(store: Store, session_id: str, owner: str) -> SessionRecord:
-    """The caller's session, or 404 (another tenant's session is not found either)."""
-    session = store.get_session(session_id) if storable_id(session_id) else None
+async def session_of(store: Store, session_id: str, owner: str) -> SessionRecord:
+    """The caller's session, or 404 (another tenant's session is not found either); read off the event loop."""
+    session = await asyncio.to_thread(store.get_session, session_id) if storable_id(session_id) else None
     if session is None or session.owner != owner:
         raise NotFound(f"no session {session_id}")
     return session
 
 
-def run_of(store: Store, model_id: str, owner: str) -> TrainingRunRecord:
-    """The caller's training run, or 404."""
-    run = store.get_training_run(model_id) if storable_id(model_id) else None
+async def run_of(store: Store, model_id: str, owner: str) -> TrainingRunRecord:
+    """The caller's training run, or 404; read off the event loop."""
+    run = await asyncio.to_thread(store.get_training_run, model_id) if storable_id(model_id) else None
     if run is None or run.owner != owner:
         raise NotFound(f"no model {model_id}")
     return run
 
 
-def sampler_of(services: Services, sampling_session_id: str, owner: str) -> SamplingSessionRecord:
-    """The caller's sampling session, or 404."""
-    record = services.store.get_sampling_session(sampling_session_id) if storable_id(sampling_session_id) else None
+async def sampler_of(services: Services, sampling_session_id: str, owner: str) -> SamplingSessionRecord:
+    """The caller's sampling session, or 404: from memory when it was read lately (every sample request of an
+    RL loop names the same one), else read off the event loop."""
+    record = None
+    if storable_id(sampling_session_id):
+        store = services.store
+        record = (store.remembered_sampling_session(sampling_session_id)
+                  or await asyncio.to_thread(store.get_sampling_session, sampling_session_id))
     if record is None or record.owner != owner:
         raise NotFound(f"no sampling session {sampling_session_id}")
     return record

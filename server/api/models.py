@@ -30,11 +30,11 @@ async def create_model(request: Request, services: ServicesDep, owner: OwnerDep)
     """Start a LoRA training run on the served base model."""
     body = await read_body(request, services.config.limits.max_request_bytes)
     create = CreateModelRequest.model_validate_json(body)
-    session_of(services.store, create.session_id, owner)
+    await session_of(services.store, create.session_id, owner)
     check_base_model(services, create.base_model)
     check_optimizer(create.optimizer_config)
     check_lora_rank(services.config.limits, create.lora_config.rank)
-    check_run_quota(services.store, services.config.limits, owner)
+    await asyncio.to_thread(check_run_quota, services.store, services.config.limits, owner)
     await asyncio.to_thread(check_storage_quota, services.store, services.config.limits, owner)
     record = training_run_record(base_model=services.base.name, session_id=create.session_id,
                                  model_seq_id=create.model_seq_id, owner=owner, lora=create.lora_config,
@@ -54,7 +54,7 @@ async def create_model(request: Request, services: ServicesDep, owner: OwnerDep)
 @router.post("/get_info")
 async def get_info(body: GetInfoRequest, services: ServicesDep, owner: OwnerDep) -> GetInfoResponse:
     """Describe a training run; `tokenizer_id` is a directory the SDK's get_tokenizer() loads offline."""
-    run = run_of(services.store, body.model_id, owner)
+    run = await run_of(services.store, body.model_id, owner)
     base = services.base
     return GetInfoResponse(
         model_id=run.model_id,

@@ -47,21 +47,24 @@ hot_router = APIRouter(prefix="/api/v1")
 async def create_sampling_session(body: CreateSamplingSessionRequest, services: ServicesDep,
                                   owner: OwnerDep) -> CreateSamplingSessionResponse:
     """A sampler over the base model or over a saved checkpoint."""
-    session_of(services.store, body.session_id, owner)
+    await session_of(services.store, body.session_id, owner)
     check_base_model(services, body.base_model)
-    if body.model_path is not None:
-        checkpoint_of(services.store, services.signer, body.model_path, owner)
-    sampling_session_id = ensure_sampling_session(services.store, base_model=services.base.name,
-                                                  session_id=body.session_id,
-                                                  sampling_session_seq_id=body.sampling_session_seq_id, owner=owner,
-                                                  model_path=body.model_path)
+
+    def create() -> str:
+        if body.model_path is not None:
+            checkpoint_of(services.store, services.signer, body.model_path, owner)
+        return ensure_sampling_session(services.store, base_model=services.base.name, session_id=body.session_id,
+                                       sampling_session_seq_id=body.sampling_session_seq_id, owner=owner,
+                                       model_path=body.model_path)
+
+    sampling_session_id = await asyncio.to_thread(create)
     return CreateSamplingSessionResponse(sampling_session_id=sampling_session_id)
 
 
 @router.get("/samplers/{sampling_session_id}")
 async def get_sampler(sampling_session_id: str, services: ServicesDep, owner: OwnerDep) -> GetSamplerResponse:
     """Which model a sampler samples (the SDK asks when it only knows a model_path)."""
-    record = sampler_of(services, sampling_session_id, owner)
+    record = await sampler_of(services, sampling_session_id, owner)
     return GetSamplerResponse(sampler_id=record.sampling_session_id, base_model=record.base_model,
                               model_path=record.model_path)
 
@@ -95,7 +98,7 @@ async def asample(request: Request) -> UntypedAPIFuture:
     sample = SampleRequest.model_validate_json(body)
     record = None
     if sample.sampling_session_id is not None:
-        record = sampler_of(services, sample.sampling_session_id, owner)
+        record = await sampler_of(services, sample.sampling_session_id, owner)
     else:
         check_base_model(services, sample.base_model)
     check_num_samples(services, sample.num_samples, "num_samples")

@@ -42,7 +42,7 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
     if len(fwdbwd.data) > limits.max_datums_per_request:
         raise InvalidRequest(f"forward_backward has {len(fwdbwd.data)} datums, over this server's limit of "
                              f"{limits.max_datums_per_request} (--max-datums-per-request); send them in several calls")
-    run = run_of(services.store, fwdbwd.model_id, owner)
+    run = await run_of(services.store, fwdbwd.model_id, owner)
 
     def prepare():
         if not fwdbwd.data:
@@ -79,7 +79,7 @@ async def optim_step(request: Request, services: ServicesDep, owner: OwnerDep) -
     """Apply one AdamW step with every AdamParams field, then clear the gradients."""
     body = await read_body(request, services.config.limits.max_request_bytes)
     step = OptimStepRequest.model_validate_json(body)
-    run_of(services.store, step.model_id, owner)
+    await run_of(services.store, step.model_id, owner)
 
     def prepare():
         if not isinstance(step.adam_params, AdamParams):

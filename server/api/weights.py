@@ -26,7 +26,7 @@ async def _submit_save(services: Services, owner: str, body: bytes, request_type
                        model_id: str, plan, with_optimizer: bool, response) -> UntypedAPIFuture:
     """The one path of the three saves: `plan(run)` checks the request when it is accepted, the training
     thread copies the adapter, and the checkpoint writer writes it; `response(save, size)` answers."""
-    run = run_of(services.store, model_id, owner)
+    run = await run_of(services.store, model_id, owner)
 
     def prepare():
         save: PlannedSave = plan(run)
@@ -66,7 +66,7 @@ async def save_weights_for_sampler(request: Request, services: ServicesDep, owne
             plan=lambda run: plan_save(run, "sampler_weights", save.path, overwrite=True,
                                        ttl_seconds=save.ttl_seconds, user_metadata=save.user_metadata),
             response=lambda planned, _: SaveWeightsForSamplerResponse(path=str(planned.tinker_path)))
-    run = run_of(services.store, save.model_id, owner)
+    run = await run_of(services.store, save.model_id, owner)
 
     def ephemeral_session(adapter):
         sampling_session_id = sampling_session_id_for(run.session_id, save.sampling_session_seq_id)
@@ -104,16 +104,16 @@ async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep)
     load = LoadWeightsRequest.model_validate_json(body)
 
     if load.model_id is not None:
-        run = run_of(services.store, load.model_id, owner)
+        run = await run_of(services.store, load.model_id, owner)
         model_id, seq_id, create = run.model_id, load.seq_id, False
 
         def respond(lora):
             return json_result(LoadWeightsResponse(path=load.path, model_id=model_id))
     else:
-        session_of(services.store, load.session_id, owner)
+        await session_of(services.store, load.session_id, owner)
         check_base_model(services, load.base_model)
         check_optimizer(load.optimizer_config)
-        check_run_quota(services.store, services.config.limits, owner)
+        await asyncio.to_thread(check_run_quota, services.store, services.config.limits, owner)
         await asyncio.to_thread(check_storage_quota, services.store, services.config.limits, owner)
         model_id, seq_id, create = model_id_for(load.session_id, load.model_seq_id), CREATION_SEQ_ID, True
 
@@ -139,7 +139,8 @@ async def load_weights(request: Request, services: ServicesDep, owner: OwnerDep)
 @router.post("/weights_info")
 async def weights_info(body: WeightsInfoRequest, services: ServicesDep, owner: OwnerDep) -> WeightsInfoResponse:
     """What a checkpoint is: base model and LoRA settings (used by the CLI and cookbook tools)."""
-    checkpoint = checkpoint_of(services.store, services.signer, body.tinker_path, owner)
-    run = services.store.get_training_run(checkpoint.model_id)  # maybe another tenant's, for a published one
+    checkpoint = await asyncio.to_thread(checkpoint_of, services.store, services.signer, body.tinker_path, owner)
+    # Maybe another tenant's run, for a published checkpoint.
+    run = await asyncio.to_thread(services.store.get_training_run, checkpoint.model_id)
     return WeightsInfoResponse(base_model=run.base_model, is_lora=True, lora_rank=run.lora_rank,
                                train_unembed=run.train_unembed, train_mlp=run.train_mlp, train_attn=run.train_attn)
