@@ -22,15 +22,15 @@ import transformers
 
 from server.config import AdaptersCommand
 from server.errors import InvalidRequest
-from server.models.builtin import served_name, spellings
-from server.models.loading import resolve_model_dir
-from server.models.registry import family_for
-from server.store.db import has_server_database
-from server.store.checkpoints import TinkerPath, sync_directory_tree, validate_checkpoint_name
-from server.store.store import CheckpointRecord, Store, TrainingRunRecord, utcnow
 from server.lora.checkpoint_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_peft_adapter
 from server.lora.layers import LoraAdapter, apply_lora_wrappers
 from server.lora.peft_import import read_peft_adapter
+from server.models.builtin import served_name, spellings
+from server.models.loading import resolve_model_dir
+from server.models.registry import family_for
+from server.store.checkpoints import TinkerPath, sync_directory_tree, validate_checkpoint_name
+from server.store.db import has_server_database
+from server.store.store import CheckpointRecord, Store, TrainingRunRecord, utcnow
 from server.wire.types import LoraConfig
 
 

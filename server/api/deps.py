@@ -33,8 +33,8 @@ from server.rendering.sampling import VLLMRenderer
 from server.runs import storable_id
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.types import SampledSequence, SamplingEngine
-from server.scheduler.sampling import SamplingFutures
 from server.scheduler.requests import Respond
+from server.scheduler.sampling import SamplingFutures
 from server.scheduler.scheduler import Scheduler
 from server.store.api_keys import BOOTSTRAP_TENANT, KnownKeys, hash_api_key
 from server.store.exports import Signer

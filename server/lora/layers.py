@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from server.errors import InvalidRequest
-from server.models.registry import ModelFamily
-from server.lora.settings import AdapterSettings
 from server.lora.experts import ExpertProjection, LoraExperts, is_routed_experts
+from server.lora.settings import AdapterSettings
+from server.models.registry import ModelFamily
 
 
 @dataclass(frozen=True)

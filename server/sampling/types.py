@@ -15,8 +15,8 @@ from typing import Protocol
 import numpy as np
 
 from server.errors import InvalidRequest
-from server.rendering.chunks import RenderedInput
 from server.lora.layers import LoraAdapter
+from server.rendering.chunks import RenderedInput
 from server.wire.proto import SampledSequence, TopkRows
 
 

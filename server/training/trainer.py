@@ -25,13 +25,13 @@ import torch.distributed as dist
 
 from server.config import ServerConfig, TrainerConfig
 from server.errors import InvalidRequest, NotFound
+from server.lora import checkpoint_io
+from server.lora.layers import (AdapterStack, LoraAdapter, LoraTarget, all_finite, apply_lora_wrappers,
+                                select_targets, use_adapter, use_adapter_rows)
 from server.models.loading import LoadedModel, load_base_model
 from server.models.vision_features import VisionEncoder
 from server.rendering.training import TrainingExample
-from server.lora import checkpoint_io
 from server.training.forward import TargetLogprobs
-from server.lora.layers import (AdapterStack, LoraAdapter, LoraTarget, all_finite, apply_lora_wrappers,
-                                  select_targets, use_adapter, use_adapter_rows)
 from server.training.losses import DatumLoss, MicrobatchLoss, combine_metrics, resolve_loss
 from server.training.operations import ForwardBackward
 from server.training.parallel import TrainingGroup, prepare_blocks
