@@ -273,7 +273,8 @@ async def journal_refusal(request: Request, error: TinkerServerError) -> None:
     services = services_of(request)
     if request_type == "ForwardBackward":
         inflated = getattr(request.state, "inflated", False)
-        slot = read_forward_backward_slot(body, None if inflated else request.headers.get("content-encoding"))
+        slot = read_forward_backward_slot(body, None if inflated else request.headers.get("content-encoding"),
+                                          services.config.limits.max_decompressed_bytes)
         if slot is not None and slot[2]:
             request_type = "Forward"
     else:

