@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from support.fault import GAP_SECONDS
 from support.live_server import LiveServer, start_server
-
-GAP_SECONDS = 2
 
 
 @pytest.fixture(scope="session")
@@ -21,10 +20,3 @@ def fault_server(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     yield live
     live.stop()
 
-
-def rss_mib(pid: int) -> float:
-    """Resident memory of a process."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise LookupError(f"no VmRSS for pid {pid}")

@@ -12,7 +12,7 @@ import httpx
 import zstandard
 from PIL import Image
 
-from conftest import GAP_SECONDS, rss_mib
+from support.fault import GAP_SECONDS, rss_mib
 from server.wire import tinker_public_pb2 as pb
 from support.live_server import BASE_MODEL, LiveServer
 from support.raw_run import RawRun
