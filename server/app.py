@@ -82,7 +82,7 @@ def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
     group = init_training_group(0, trainer_config.world_size, config.model.device_type, trainer_config.master_addr,
                                 trainer_config.master_port)
     started = time.perf_counter()
-    trainer = build_trainer(config, group)
+    trainer = build_trainer(config.model, trainer_config, config.images.feature_cache_bytes, group)
     base = trainer.base  # what requests need to know of the model: name, tokenizer, vocabulary, vision
     logger.info("event=model_loaded base_model=%s device=%s dtype=%s ranks=%d seconds=%.1f", base.name,
                 config.model.device, config.model.dtype, trainer_config.world_size, time.perf_counter() - started)

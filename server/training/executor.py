@@ -28,8 +28,8 @@ class TrainingExecutor:
         """Run one operation that is not a forward_backward."""
         trainer = self.trainer
         match operation:
-            case CreateModel(model_id, lora_config):
-                trainer.create_model(model_id, lora_config)
+            case CreateModel(model_id, lora_config, seed):
+                trainer.create_model(model_id, lora_config, seed)
                 return None
             case LoadState(model_id, directory, with_optimizer, create=True):
                 return trainer.create_model_from_checkpoint(model_id, directory, with_optimizer)
