@@ -1,14 +1,8 @@
-"""What the next training cycle runs: each run's next short operation, and a pass of forward_backward
+"""What the next training cycle runs: each run's next short operation, then one pass of forward_backward
 work shared fairly across runs within a token budget.
 
-Every run with forward_backward (or forward) work ready offers its datums in seq_id order (those of
-its consecutive ready requests, laid end to end), and the runs are taken least recently served
-first. The pass budget is shared out in two rounds: in the first each run gets up to an equal share
-(and at least its next datum while the budget has room for it), in the second the runs, in the same
-order, take what the others left. So a tenant's long request never holds another's small one for
-more than one pass: it gets its share now and goes on in the next pass, while a run alone fills the
-whole budget. `plan_cycle` decides from the ready requests and `share_pass` does the arithmetic on
-token counts; both are pure: they take nothing off the queues and know nothing about threads.
+`plan_cycle` picks the requests, `share_pass` does the arithmetic on token counts; both are pure: they
+take nothing off the queues and know nothing about threads.
 """
 
 from collections import deque
@@ -81,6 +75,13 @@ def plan_cycle(ready: Mapping[str, deque[TrainingRequest]], last_served: Mapping
 
 def share_pass(offers: list[list[int]], budget: int) -> list[int]:
     """How many datums of each offer (its datums' token counts, offers in turn order) the pass takes.
+
+    Every run with forward_backward (or forward) work ready offers its datums in seq_id order (those of
+    its consecutive ready requests, laid end to end), least recently served first. The budget is shared
+    out in two rounds: in the first each run gets up to an equal share (and at least its next datum while
+    the budget has room for it), in the second the runs, in the same order, take what the others left.
+    So a tenant's long request never holds another's small one for more than one pass: it gets its share
+    now and goes on in the next pass, while a run alone fills the whole budget.
 
     The pass holds at least one datum, even if that one alone is over the budget.
     """
