@@ -232,14 +232,19 @@ def refusal_of(error: Exception, path: str) -> TinkerServerError:
     return TinkerServerError(f"internal error ({type(error).__name__}); the server log has the details")
 
 
-def create_app(config: ServerConfig) -> HotRoutes:
-    """The ASGI app: FastAPI behind the front of the sampling hot path (its `state` is the FastAPI app's)."""
+def create_app(config: ServerConfig,
+               build: Callable[[ServerConfig, ServerMetrics], Services] = build_services) -> HotRoutes:
+    """The ASGI app: FastAPI behind the front of the sampling hot path (its `state` is the FastAPI app's).
+
+    Args:
+        build: what makes the services at start-up (route tests pass one with a fake trainer and engine).
+    """
     metrics = ServerMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
-            services = await asyncio.to_thread(build_services, config, metrics)
+            services = await asyncio.to_thread(build, config, metrics)
         except (AlreadyServed, ValueError) as error:  # what the operator gave: a model, a directory, a device
             logger.error("event=start_refused reason=%r", str(error))
             if not config.debug:
