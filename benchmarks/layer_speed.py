@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from server.training.lora import (AdapterSlot, AdapterStack, LoraAdapter, LoraLinear, LoraTarget,  # noqa: E402
-                                  use_adapter, use_adapter_rows)
+from server.lora.layers import (AdapterSlot, AdapterStack, LoraAdapter, LoraLinear, LoraTarget,  # noqa: E402
+                                use_adapter, use_adapter_rows)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 VARIANTS = ("lora", "frozen", "lora+compiled norms", "frozen+compiled norms", "lora+compiled layer",

@@ -31,6 +31,8 @@ from PIL import Image
 
 from benchmarks.process_memory import process_group, rss_mib
 from server.config import DEFAULT_VLLM_PYTHON, ImageConfig, ModelConfig, SamplerConfig, VLLMConfig
+from server.lora.checkpoint_io import save_peft_adapter
+from server.lora.layers import LoraAdapter, apply_lora_wrappers
 from server.models.loading import load_base_model
 from server.rendering.chunks import RenderContext
 from server.rendering.images import ImagePreparer
@@ -39,8 +41,6 @@ from server.sampling.embedded import EmbeddedEngine
 from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
 from server.sampling.vllm import VLLMEngine
 from server.sampling.vllm_process import ServedModel, VLLMProcess
-from server.training.checkpoint_io import save_peft_adapter
-from server.training.lora import LoraAdapter, apply_lora_wrappers
 from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
 
 WORDS = "the red square is left of a small blue circle and the picture shows one two three big shapes".split()

@@ -268,7 +268,7 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
                               activation_checkpointing=args.activation_checkpointing, compile=args.compile))
     ranks = start_local_ranks(config)
     group = init_training_group(0, args.gpus, config.model.device_type, "127.0.0.1", config.trainer.master_port)
-    trainer = build_trainer(config, group)
+    trainer = build_trainer(config.model, config.trainer, config.images.feature_cache_bytes, group)
     base = trainer.base
     preparer = ImagePreparer(base.vision.processor, ImageConfig())
     context = RenderContext.build(base, 1 << 20, preparer)

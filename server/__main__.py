@@ -89,7 +89,7 @@ def main() -> None:
                               config, started)
     server.run(sockets=[sock])
     if getattr(app.state, "abandoned_threads", False):
-        # A request still running past --shutdown-timeout was failed in the journal; its thread would
+        # A request still running past --shutdown-timeout-seconds was failed in the journal; its thread would
         # otherwise hold the interpreter's exit until it ends.
         logging.shutdown()
         os._exit(0)

@@ -5,7 +5,7 @@ An import is a run of its own (in a session of its own, finished at once, as cop
 with two checkpoints of the same files: `weights/NAME`, which create_training_client_from_state loads
 (no optimizer state: training starts with fresh moments), and `sampler_weights/NAME`, which
 create_sampling_client and the OpenAI-compatible routes sample. The files are written in this server's
-own PEFT layout (server/training/checkpoint_io.py), after server/training/peft_import.py checked them.
+own PEFT layout (server/lora/checkpoint_io.py), after server/lora/peft_import.py checked them.
 """
 
 import dataclasses
@@ -22,15 +22,15 @@ import transformers
 
 from server.config import AdaptersCommand
 from server.errors import InvalidRequest
+from server.lora.checkpoint_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_peft_adapter
+from server.lora.layers import LoraAdapter, apply_lora_wrappers
+from server.lora.peft_import import read_peft_adapter
 from server.models.builtin import served_name, spellings
 from server.models.loading import resolve_model_dir
 from server.models.registry import family_for
-from server.store.db import has_server_database
 from server.store.checkpoints import TinkerPath, sync_directory_tree, validate_checkpoint_name
+from server.store.db import has_server_database
 from server.store.store import CheckpointRecord, Store, TrainingRunRecord, utcnow
-from server.training.checkpoint_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_peft_adapter
-from server.training.lora import LoraAdapter, apply_lora_wrappers
-from server.training.peft_import import read_peft_adapter
 from server.wire.types import LoraConfig
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,13 +28,14 @@ from server.api import (checkpoints, dashboard, futures, models, openai_compat, 
                         training, weights)
 from server.api.deps import Services, authenticate, journal_refusal
 from server.banner import start_banner
+from server.checkpoints.lifecycle import Checkpoints, sweep_expired
 from server.config import ServerConfig
 from server.errors import Conflict, InvalidRequest, TinkerServerError, without_server_paths
 from server.metrics import ServerMetrics
 from server.rendering.chunks import RenderContext
 from server.rendering.images import ImagePreparer
 from server.rendering.sampling import VLLMRenderer
-from server.sampling.engine import build_sampling_engine
+from server.sampling.engine import build_sampling_engine, checkpoint_adapter_name
 from server.scheduler.sampling import SamplingFutures
 from server.scheduler.scheduler import Scheduler
 from server.store.api_keys import BOOTSTRAP_TENANT, KnownKeys, issue_api_key
@@ -42,7 +44,7 @@ from server.store.db import storage_failure
 from server.store.exports import Signer
 from server.store.ownership import AlreadyServed, Ownership
 from server.store.retention import CheckpointPins
-from server.store.store import Store
+from server.store.store import Store, utcnow
 from server.training.executor import TrainingExecutor
 from server.training.parallel import free_port, init_training_group
 from server.training.trainer import build_trainer
@@ -80,7 +82,7 @@ def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
     group = init_training_group(0, trainer_config.world_size, config.model.device_type, trainer_config.master_addr,
                                 trainer_config.master_port)
     started = time.perf_counter()
-    trainer = build_trainer(config, group)
+    trainer = build_trainer(config.model, trainer_config, config.images.feature_cache_bytes, group)
     base = trainer.base  # what requests need to know of the model: name, tokenizer, vocabulary, vision
     logger.info("event=model_loaded base_model=%s device=%s dtype=%s ranks=%d seconds=%.1f", base.name,
                 config.model.device, config.model.dtype, trainer_config.world_size, time.perf_counter() - started)
@@ -93,11 +95,18 @@ def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
                           seq_gap_timeout=config.limits.seq_gap_timeout_seconds, metrics=metrics,
                           hidden_paths=(str(config.data_dir),))
     sampling = SamplingFutures(sampler, metrics, hidden_paths=(str(config.data_dir),))
+    pins = CheckpointPins()
+
+    def forget(record):  # every cached copy of a deleted or overwritten checkpoint's adapter
+        adapters.forget(Path(record.directory))
+        sampler.forget(checkpoint_adapter_name(record.tinker_path, record.created_at))
+
     return Services(config=config, store=store, scheduler=scheduler, sampling=sampling, base=base, trainer=trainer,
                     training_ranks=training_ranks, sampler=sampler, adapters=adapters, render_context=render_context,
                     sampling_renderer=VLLMRenderer(render_context), metrics=metrics, keys=KnownKeys(store),
                     ownership=ownership,
-                    checkpoint_pins=CheckpointPins(), signer=Signer.from_data_dir(config.data_dir))
+                    checkpoint_pins=pins, signer=Signer.from_data_dir(config.data_dir),
+                    checkpoints=Checkpoints(store, config.store.checkpoint_dir, pins, config.limits, forget))
 
 
 async def _retention_loop(services: Services) -> None:
@@ -129,7 +138,7 @@ async def _checkpoint_sweep_loop(services: Services) -> None:
     while True:
         await asyncio.sleep(services.config.store.checkpoint_sweep_seconds)
         try:
-            await checkpoints.sweep_expired(services)
+            await asyncio.to_thread(sweep_expired, services.checkpoints, utcnow())
         except Exception:
             logger.exception("could not delete expired checkpoints")
 
@@ -223,14 +232,19 @@ def refusal_of(error: Exception, path: str) -> TinkerServerError:
     return TinkerServerError(f"internal error ({type(error).__name__}); the server log has the details")
 
 
-def create_app(config: ServerConfig) -> HotRoutes:
-    """The ASGI app: FastAPI behind the front of the sampling hot path (its `state` is the FastAPI app's)."""
+def create_app(config: ServerConfig,
+               build: Callable[[ServerConfig, ServerMetrics], Services] = build_services) -> HotRoutes:
+    """The ASGI app: FastAPI behind the front of the sampling hot path (its `state` is the FastAPI app's).
+
+    Args:
+        build: what makes the services at start-up (route tests pass one with a fake trainer and engine).
+    """
     metrics = ServerMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         try:
-            services = await asyncio.to_thread(build_services, config, metrics)
+            services = await asyncio.to_thread(build, config, metrics)
         except (AlreadyServed, ValueError) as error:  # what the operator gave: a model, a directory, a device
             logger.error("event=start_refused reason=%r", str(error))
             if not config.debug:

@@ -182,7 +182,10 @@ class LimitsConfig:
     max_sequence_length: int = 32768
     """Longest rendered sequence accepted for training or sampling."""
     max_request_bytes: int = 256 * 1024 * 1024
-    """Largest (decompressed) request body."""
+    """Largest request body as it arrives."""
+    max_decompressed_bytes: int = 1 << 30
+    """Largest forward_backward body once inflated: a zstd body that inflates past this is refused with a 413
+    (a decompression bomb)."""
     max_sample_tokens: int = 8192
     """Largest max_tokens a sampling request may ask for."""
     max_num_samples: int = 256
@@ -202,7 +205,7 @@ class LimitsConfig:
     """A run whose next seq_id has not arrived this long after it went idle fails the requests queued
     behind the gap (the SDK sends a call's chunks at once; a missing one was refused unreadable or lost)."""
     max_datums_per_request: int = 4096
-    """Datums of one forward_backward request (the SDK sends 1024 at most, unless --fwdbwd-chunk-len says more)."""
+    """Datums of one forward_backward request (the SDK sends 1024 at most, unless --fwdbwd-max-chunk-len says more)."""
     header_timeout_seconds: float = 10.0
     """A request's headers must arrive within this long of its first byte, else the connection is closed."""
     body_timeout_seconds: float = 30.0
@@ -215,7 +218,7 @@ class LimitsConfig:
         for name in ("session_timeout_seconds", "seq_gap_timeout_seconds", "max_lora_rank", "max_sample_tokens",
                      "max_num_samples", "max_sampled_tokens_per_request", "max_runs_per_tenant",
                      "max_stored_bytes_per_tenant", "max_datums_per_request", "header_timeout_seconds",
-                     "body_timeout_seconds", "max_connections_per_client"):
+                     "body_timeout_seconds", "max_connections_per_client", "max_decompressed_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
@@ -272,7 +275,7 @@ class ServerConfig:
                              f"it is only allowed on a loopback --host (127.0.0.1, ::1, localhost)")
         chunk = self.client.fwdbwd_max_chunk_len
         if chunk is not None and chunk > self.limits.max_datums_per_request:
-            raise ValueError(f"--fwdbwd-chunk-len {chunk} is over --max-datums-per-request "
+            raise ValueError(f"--fwdbwd-max-chunk-len {chunk} is over --max-datums-per-request "
                              f"{self.limits.max_datums_per_request}: clients would send requests the server refuses")
 
 
@@ -321,18 +324,21 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", help="torch device for training and the embedded sampler")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the frozen base weights (LoRA weights and optimizer state stay float32)")
-    parser.add_argument("--fwdbwd-chunk-len", type=int, default=None,
+    parser.add_argument("--fwdbwd-max-chunk-len", "--fwdbwd-chunk-len", type=int, default=None,
                         help="datums per forward_backward request that clients send (default: the SDK's, 1024)")
     parser.add_argument("--image-root", type=Path, default=None,
                         help="directory that image_asset_pointer chunks may name files in (default: none, such "
                              "chunks are refused)")
-    parser.add_argument("--image-cache-mb", type=int, default=ImageConfig.decoded_cache_bytes >> 20,
+    parser.add_argument("--decoded-cache-mb", "--image-cache-mb",
+                        type=int, default=ImageConfig.decoded_cache_bytes >> 20,
                         help="decoded images kept by content hash (least recently used ones are dropped)")
     parser.add_argument("--feature-cache-mb", type=int, default=ImageConfig.feature_cache_bytes >> 20,
                         help="vision-tower outputs kept by content hash, per model copy")
-    parser.add_argument("--session-timeout", type=float, default=LimitsConfig.session_timeout_seconds,
+    parser.add_argument("--session-timeout-seconds", "--session-timeout",
+                        type=float, default=LimitsConfig.session_timeout_seconds,
                         help="seconds without a heartbeat after which a session is finished and its runs unloaded")
-    parser.add_argument("--checkpoint-sweep-interval", type=float, default=StoreConfig.checkpoint_sweep_seconds,
+    parser.add_argument("--checkpoint-sweep-seconds", "--checkpoint-sweep-interval",
+                        type=float, default=StoreConfig.checkpoint_sweep_seconds,
                         help="seconds between looks for checkpoints past their TTL, which are then deleted")
     parser.add_argument("--max-lora-rank", type=int, default=LimitsConfig.max_lora_rank,
                         help="largest LoRA rank a training run may ask for")
@@ -348,26 +354,31 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-stored-gb-per-tenant", type=float,
                         default=LimitsConfig.max_stored_bytes_per_tenant / (1 << 30),
                         help="GiB of checkpoint files and journal rows (sessions, runs, results) a tenant may keep")
-    parser.add_argument("--seq-gap-timeout", type=float, default=LimitsConfig.seq_gap_timeout_seconds,
+    parser.add_argument("--seq-gap-timeout-seconds", "--seq-gap-timeout",
+                        type=float, default=LimitsConfig.seq_gap_timeout_seconds,
                         help="seconds a run waits for a missing seq_id before failing the requests queued behind it")
     parser.add_argument("--max-datums-per-request", type=int, default=LimitsConfig.max_datums_per_request,
                         help="datums of one forward_backward request")
-    parser.add_argument("--header-timeout", type=float, default=LimitsConfig.header_timeout_seconds,
+    parser.add_argument("--header-timeout-seconds", "--header-timeout",
+                        type=float, default=LimitsConfig.header_timeout_seconds,
                         help="seconds a request's headers may take to arrive before its connection is closed")
-    parser.add_argument("--body-timeout", type=float, default=LimitsConfig.body_timeout_seconds,
+    parser.add_argument("--body-timeout-seconds", "--body-timeout",
+                        type=float, default=LimitsConfig.body_timeout_seconds,
                         help="seconds a request's body may pause between two reads before its connection is closed")
     parser.add_argument("--max-connections-per-client", type=int, default=LimitsConfig.max_connections_per_client,
                         help="connections one client address may keep open; one more is answered 503 and closed")
-    parser.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_seconds,
+    parser.add_argument("--shutdown-timeout-seconds", "--shutdown-timeout",
+                        type=float, default=ServerConfig.shutdown_timeout_seconds,
                         help="seconds running requests get to finish on SIGTERM before they are failed")
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of a refused start-up too, not only its one-line reason")
-    parser.add_argument("--gpus", type=int, default=1,
+    parser.add_argument("--local-ranks", "--gpus", type=int, default=1,
                         help="training processes on this node, one per GPU (with --device cpu: CPU processes)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each decoder block in backward (less memory, about a third more compute; "
                              "always on for Qwen3.5 / Qwen3.6)")
-    parser.add_argument("--microbatch-tokens", type=int, default=TrainerConfig.max_tokens_per_microbatch,
+    parser.add_argument("--max-tokens-per-microbatch", "--microbatch-tokens",
+                        type=int, default=TrainerConfig.max_tokens_per_microbatch,
                         help="padded tokens per forward/backward pass on each training rank")
     parser.add_argument("--max-tokens-per-pass", type=int, default=TrainerConfig.max_tokens_per_pass,
                         help="forward_backward tokens per training pass, shared fairly among the runs with work")
@@ -376,13 +387,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
                              "1: one run at a time, in turn)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the decoder blocks and the unembedding (faster GPU steps after warm-up)")
-    parser.add_argument("--sampler", choices=["embedded", "vllm"], default="embedded",
+    parser.add_argument("--sampler-engine", "--sampler", choices=["embedded", "vllm"], default="embedded",
                         help="sampling engine: HF transformers in this process, or a vLLM server it supervises")
     parser.add_argument("--max-images-per-prompt", type=int, default=SamplerConfig.max_images_per_prompt,
                         help="images one sampling prompt may hold (on every engine; also vLLM's limit)")
     parser.add_argument("--sampler-max-batch-tokens", type=int, default=SamplerConfig.max_batch_tokens,
                         help="cache positions (rows x length) the embedded sampler's running batch may hold")
-    parser.add_argument("--sampler-process", choices=["auto", "on", "off"], default="auto",
+    parser.add_argument("--sampler-own-process", "--sampler-process", choices=["auto", "on", "off"], default="auto",
                         help="run the embedded sampler in a process of its own (auto: on with a CUDA --device)")
     parser.add_argument("--prefix-cache-gb", type=float, default=SamplerConfig.prefix_cache_bytes / (1 << 30),
                         help="GiB of earlier prompts' keys and values the embedded sampler keeps on its device, so "
@@ -400,7 +411,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="largest LoRA rank vLLM serves (8, 16, 32, 64, ...)")
     parser.add_argument("--vllm-max-cpu-loras", type=int, default=VLLMConfig.max_cpu_loras,
                         help="adapters vLLM keeps loaded (least recently used ones are reloaded from disk)")
-    parser.add_argument("--vllm-args", default="",
+    parser.add_argument("--vllm-extra-args", "--vllm-args", default="",
                         help="more flags for the vLLM server, e.g. '--gpu-memory-utilization 0.4'; JSON values "
                              "pass intact, quoted or not: '--hf-overrides {\"a\": 1}' (default: none)")
     return parser
@@ -428,36 +439,38 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         model=ModelConfig(base_model=args.base_model, model_path=args.model_path,
                           model_cache_dir=data_dir / "models", device=args.device, dtype=args.dtype),
         store=StoreConfig(database_url=database_url, checkpoint_dir=data_dir / "checkpoints",
-                          checkpoint_sweep_seconds=args.checkpoint_sweep_interval),
+                          checkpoint_sweep_seconds=args.checkpoint_sweep_seconds),
         host=args.host, port=args.port, data_dir=data_dir,
         images=ImageConfig(image_root=args.image_root.resolve() if args.image_root else None,
-                           decoded_cache_bytes=args.image_cache_mb << 20,
+                           decoded_cache_bytes=args.decoded_cache_mb << 20,
                            feature_cache_bytes=args.feature_cache_mb << 20),
-        limits=LimitsConfig(session_timeout_seconds=args.session_timeout, max_lora_rank=args.max_lora_rank,
+        limits=LimitsConfig(session_timeout_seconds=args.session_timeout_seconds, max_lora_rank=args.max_lora_rank,
                             max_sample_tokens=args.max_sample_tokens, max_num_samples=args.max_num_samples,
                             max_sampled_tokens_per_request=args.max_sampled_tokens_per_request,
                             max_runs_per_tenant=args.max_runs_per_tenant,
                             max_stored_bytes_per_tenant=int(args.max_stored_gb_per_tenant * (1 << 30)),
-                            seq_gap_timeout_seconds=args.seq_gap_timeout,
+                            seq_gap_timeout_seconds=args.seq_gap_timeout_seconds,
                             max_datums_per_request=args.max_datums_per_request,
-                            header_timeout_seconds=args.header_timeout, body_timeout_seconds=args.body_timeout,
+                            header_timeout_seconds=args.header_timeout_seconds,
+                            body_timeout_seconds=args.body_timeout_seconds,
                             max_connections_per_client=args.max_connections_per_client),
-        auth=args.auth, shutdown_timeout_seconds=args.shutdown_timeout, debug=args.debug,
-        trainer=TrainerConfig(local_ranks=args.gpus, activation_checkpointing=args.activation_checkpointing,
-                              max_tokens_per_microbatch=args.microbatch_tokens, compile=args.compile,
+        auth=args.auth, shutdown_timeout_seconds=args.shutdown_timeout_seconds, debug=args.debug,
+        trainer=TrainerConfig(local_ranks=args.local_ranks, activation_checkpointing=args.activation_checkpointing,
+                              max_tokens_per_microbatch=args.max_tokens_per_microbatch, compile=args.compile,
                               max_tokens_per_pass=args.max_tokens_per_pass,
                               max_runs_per_pass=args.max_runs_per_pass,
                               # torchrun's variables when ranks on other nodes join (see the README)
-                              world_size=int(os.environ.get("WORLD_SIZE", args.gpus)),
+                              world_size=int(os.environ.get("WORLD_SIZE", args.local_ranks)),
                               master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                               master_port=int(os.environ.get("MASTER_PORT", 0))),
-        sampler=SamplerConfig(engine=args.sampler, vllm=_vllm_config(args) if args.sampler == "vllm" else None,
+        sampler=SamplerConfig(engine=args.sampler_engine,
+                              vllm=_vllm_config(args) if args.sampler_engine == "vllm" else None,
                               max_images_per_prompt=args.max_images_per_prompt,
                               max_batch_tokens=args.sampler_max_batch_tokens,
-                              own_process=args.sampler_process == "on" or (args.sampler_process == "auto"
-                                                                            and args.device.startswith("cuda")),
+                              own_process=args.sampler_own_process == "on" or (args.sampler_own_process == "auto"
+                                                                                and args.device.startswith("cuda")),
                               prefix_cache_bytes=int(args.prefix_cache_gb * (1 << 30))),
-        client=ClientFlagsConfig(fwdbwd_max_chunk_len=args.fwdbwd_chunk_len))
+        client=ClientFlagsConfig(fwdbwd_max_chunk_len=args.fwdbwd_max_chunk_len))
 
 
 @dataclass(frozen=True)
@@ -592,7 +605,7 @@ def _vllm_config(args: argparse.Namespace) -> VLLMConfig:
     if not args.vllm_url:
         python = (args.vllm_python or DEFAULT_VLLM_PYTHON).absolute()
         if not python.exists():
-            raise SystemExit(f"--sampler vllm: no vLLM interpreter at {python}. Build the venv with "
+            raise SystemExit(f"--sampler-engine vllm: no vLLM interpreter at {python}. Build the venv with "
                              f"`bash {REPO_ROOT / 'scripts' / 'install_vllm.sh'}` (it goes to {DEFAULT_VLLM_PYTHON}), "
                              f"or pass --vllm-python PATH (a venv with vLLM and the server's plugin) or "
                              f"--vllm-url URL (a vLLM already running)")
@@ -600,7 +613,7 @@ def _vllm_config(args: argparse.Namespace) -> VLLMConfig:
         python=python, url=args.vllm_url, max_num_seqs=args.vllm_max_num_seqs,
         max_loras=args.vllm_max_loras, max_lora_rank=args.vllm_max_lora_rank, max_cpu_loras=args.vllm_max_cpu_loras,
         # On CPUs a seeded request whose prefill is split draws extra random numbers (see VLLMConfig).
-        chunked_prefill=args.device != "cpu", extra_args=split_command_line(args.vllm_args))
+        chunked_prefill=args.device != "cpu", extra_args=split_command_line(args.vllm_extra_args))
 
 
 def split_command_line(text: str) -> tuple[str, ...]:
@@ -626,7 +639,7 @@ def split_command_line(text: str) -> tuple[str, ...]:
             continue
         word += char
     if quote is not None or depth != 0:
-        raise SystemExit(f"--vllm-args: unbalanced quotes or brackets in {text!r}")
+        raise SystemExit(f"--vllm-extra-args: unbalanced quotes or brackets in {text!r}")
     if word:
         words.append(word)
     return tuple(w[1:-1] if len(w) >= 2 and w[0] == w[-1] and w[0] in "\"'" else w for w in words)

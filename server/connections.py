@@ -92,5 +92,5 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         if self.cycle is None or self.cycle.response_complete:  # no request running: say why, then close
             self.transport.write(_response("408 Request Timeout", f"the request's headers did not arrive within "
-                                           f"{seconds:g} s (--header-timeout)"))
+                                           f"{seconds:g} s (--header-timeout-seconds)"))
         self.transport.close()

@@ -17,14 +17,14 @@ from torch import nn
 
 from server.config import ExportCommand, ModelConfig
 from server.errors import InvalidRequest
+from server.lora.checkpoint_io import load_checkpoint
+from server.lora.layers import LoraAdapter
 from server.models.builtin import TOKENIZER_FILES
 from server.models.loading import resolve_model_dir
 from server.models.registry import family_for
 from server.store.checkpoints import parse_tinker_path
 from server.store.db import has_server_database
 from server.store.store import Store
-from server.training.checkpoint_io import load_checkpoint
-from server.training.lora import LoraAdapter
 
 
 def apply_merged_adapter(model: nn.Module, adapter: LoraAdapter) -> None:

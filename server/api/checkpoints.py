@@ -3,18 +3,16 @@ imports, and external weights' signed download URLs (served here, without an API
 permission).
 
 Publishing makes a checkpoint readable by every tenant (load, sample from, copy, weights_info), as a weights
-access token does for its holder; only the owner changes or deletes it. The TTL sweeper that deletes
-expired checkpoints is `sweep_expired_checkpoints`, run by the app's housekeeping.
+access token does for its holder; only the owner changes or deletes it. The work is server/checkpoints'
+(the TTL sweeper too, run by the app's housekeeping); these routes check the caller and call it.
 """
 
 import asyncio
 import dataclasses
 import os
-import shutil
 import time
-import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlencode
@@ -23,38 +21,19 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 
 from server.adapter_imports import write_imported_adapter
-from server.api.deps import (
-    JSON,
-    OwnerDep,
-    Services,
-    ServicesDep,
-    check_storage_quota,
-    checkpoint_of,
-    forget_checkpoint,
-    model_id_for,
-    new_request_id,
-    owned_checkpoint_of,
-    payload_hash,
-    read_body,
-    session_of,
-    training_run_record,
-)
-from server.errors import Conflict, EngineUnavailable, Forbidden, InvalidRequest, NotFound, TinkerServerError
+from server.api.deps import OwnerDep, Services, ServicesDep, new_request_id, payload_hash, read_body, session_of
+from server.checkpoints.access import checkpoint_of, owned_checkpoint_of
+from server.checkpoints.copying import copy_checkpoint, copy_checkpoint_once
+from server.checkpoints.lifecycle import delete_checkpoint, set_public, set_ttl
+from server.errors import Conflict, Forbidden, InvalidRequest, NotFound
+from server.lora.peft_import import read_peft_adapter
 from server.models.builtin import spellings
-from server.store.checkpoints import SCHEME, TinkerPath, parse_tinker_path, remove_checkpoint_files
-from server.store.retention import sweep_expired_checkpoints
-from server.store.store import CheckpointRecord, utcnow
-from server.training.peft_import import read_peft_adapter
-from server.wire.lifecycle import (
-    CheckpointTtlRequest,
-    CopyWeightsRequest,
-    CopyWeightsResponse,
-    ExternalWeightsUrlsResponse,
-    ImportAdapterRequest,
-    ImportAdapterResponse,
-    WeightsAccessTokenResponse,
-)
-from server.wire.types import LoraConfig
+from server.runs import check_storage_quota, model_id_for
+from server.store.checkpoints import SCHEME, TinkerPath, parse_tinker_path
+from server.store.store import CheckpointRecord
+from server.wire.lifecycle import (CheckpointTtlRequest, CopyWeightsRequest, CopyWeightsResponse,
+                                   ExternalWeightsUrlsResponse, ImportAdapterRequest, ImportAdapterResponse,
+                                   WeightsAccessTokenResponse)
 
 router = APIRouter(prefix="/api/v1")
 public_router = APIRouter(prefix="/api/v1")
@@ -69,6 +48,11 @@ def _tinker_path(model_id: str, checkpoint_id: str) -> str:
     return f"{SCHEME}{model_id}/{checkpoint_id}"
 
 
+async def _owned(services: Services, model_id: str, checkpoint_id: str, owner: str) -> CheckpointRecord:
+    """The caller's own checkpoint, read off the event loop, or 404."""
+    return await asyncio.to_thread(owned_checkpoint_of, services.store, _tinker_path(model_id, checkpoint_id), owner)
+
+
 @router.delete("/training_runs/{model_id}/checkpoints/{checkpoint_path:path}")
 async def delete_or_unpublish_checkpoint(model_id: str, checkpoint_path: str, services: ServicesDep,
                                          owner: OwnerDep) -> dict:
@@ -77,25 +61,19 @@ async def delete_or_unpublish_checkpoint(model_id: str, checkpoint_path: str, se
     # "publish". Names never hold '/', which makes the two forms tell apart by their number of parts.
     parts = checkpoint_path.split("/")
     if len(parts) == 3 and parts[2] == "publish":
-        return _set_public(services, _tinker_path(model_id, "/".join(parts[:2])), owner, public=False)
-    record = owned_checkpoint_of(services, _tinker_path(model_id, checkpoint_path), owner)
-    services.store.delete_checkpoint(record.tinker_path)
-    forget_checkpoint(services, record)
-    remove_checkpoint_files(Path(record.directory), services.config.store.checkpoint_dir)
+        record = await _owned(services, model_id, "/".join(parts[:2]), owner)
+        await asyncio.to_thread(set_public, services.store, record, public=False)
+        return {}
+    record = await _owned(services, model_id, checkpoint_path, owner)
+    await asyncio.to_thread(delete_checkpoint, services.checkpoints, record)
     return {}
 
 
 @router.post("/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/publish")
 async def publish_checkpoint(model_id: str, checkpoint_id: str, services: ServicesDep, owner: OwnerDep) -> dict:
     """Make a checkpoint readable by every tenant; 409 if it already is."""
-    return _set_public(services, _tinker_path(model_id, checkpoint_id), owner, public=True)
-
-
-def _set_public(services: Services, path: str, owner: str, public: bool) -> dict:
-    record = owned_checkpoint_of(services, path, owner)
-    if record.public == public:
-        raise Conflict(f"checkpoint {path} is already {'public' if public else 'private'}")
-    services.store.set_checkpoint_public(record.tinker_path, public)
+    record = await _owned(services, model_id, checkpoint_id, owner)
+    await asyncio.to_thread(set_public, services.store, record, public=True)
     return {}
 
 
@@ -103,9 +81,8 @@ def _set_public(services: Services, path: str, owner: str, public: bool) -> dict
 async def set_checkpoint_ttl(model_id: str, checkpoint_id: str, body: CheckpointTtlRequest, services: ServicesDep,
                              owner: OwnerDep) -> dict:
     """Set a checkpoint's expiry to ttl_seconds from now, or remove it; expired checkpoints are deleted."""
-    record = owned_checkpoint_of(services, _tinker_path(model_id, checkpoint_id), owner)
-    expires_at = utcnow() + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds is not None else None
-    services.store.set_checkpoint_expires_at(record.tinker_path, expires_at)
+    record = await _owned(services, model_id, checkpoint_id, owner)
+    await asyncio.to_thread(set_ttl, services.store, record, body.ttl_seconds)
     return {}
 
 
@@ -114,7 +91,7 @@ async def create_weights_access_token(model_id: str, checkpoint_id: str, service
                                       owner: OwnerDep) -> WeightsAccessTokenResponse:
     """A token to hand to another tenant, who passes it as `weights_access_token` to load or copy the checkpoint
     (not part of the SDK: Tinker issues these in its console)."""
-    record = owned_checkpoint_of(services, _tinker_path(model_id, checkpoint_id), owner)
+    record = await _owned(services, model_id, checkpoint_id, owner)
     return WeightsAccessTokenResponse(weights_access_token=services.signer.weights_access_token(
         record.tinker_path, record.created_at.isoformat()))
 
@@ -123,14 +100,18 @@ async def create_weights_access_token(model_id: str, checkpoint_id: str, service
 async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request, services: ServicesDep,
                                 owner: OwnerDep) -> ExternalWeightsUrlsResponse:
     """Signed, expiring URLs of an external weights checkpoint's files (fetched without an API key)."""
-    record = checkpoint_of(services, _tinker_path(model_id, checkpoint_id), owner)
-    if record.checkpoint_type != "external":
-        raise InvalidRequest(f"{record.tinker_path} is not an external weights checkpoint "
-                             f"(tinker://RUN/external_weights/NAME, from save_weights_external)")
+    def files():
+        record = checkpoint_of(services.store, services.signer, _tinker_path(model_id, checkpoint_id), owner)
+        if record.checkpoint_type != "external":
+            raise InvalidRequest(f"{record.tinker_path} is not an external weights checkpoint "
+                                 f"(tinker://RUN/external_weights/NAME, from save_weights_external)")
+        return record, sorted(p.name for p in Path(record.directory).iterdir() if p.is_file())
+
+    record, file_names = await asyncio.to_thread(files)
     expires = int(time.time()) + DOWNLOAD_URL_SECONDS
     name = parse_tinker_path(record.tinker_path).name
     urls = {}
-    for file_name in sorted(p.name for p in Path(record.directory).iterdir() if p.is_file()):
+    for file_name in file_names:
         signature = services.signer.download_signature(f"{record.tinker_path}/{file_name}", expires)
         url = request.url_for("download_external_weights", model_id=record.model_id, name=name, file_name=file_name)
         urls[file_name] = f"{url}?{urlencode({'expires': expires, 'signature': signature})}"
@@ -144,13 +125,17 @@ async def download_external_weights(model_id: str, name: str, file_name: str, se
     tinker_path = str(TinkerPath(model_id, "external_weights", name))
     if not services.signer.valid_download(f"{tinker_path}/{file_name}", expires, signature, time.time()):
         raise Forbidden("this download URL is invalid or has expired; ask for new ones (external_weights_urls)")
-    record = services.store.get_checkpoint(tinker_path)
-    path = Path(record.directory) / file_name if record is not None else None
-    try:
-        # Opened here, so that deleting the checkpoint meanwhile cannot cut the download short.
-        handle = open(path, "rb") if path is not None else None
-    except FileNotFoundError:
-        handle = None
+
+    def opened():
+        record = services.store.get_checkpoint(tinker_path)
+        path = Path(record.directory) / file_name if record is not None else None
+        try:
+            # Opened here, so that deleting the checkpoint meanwhile cannot cut the download short.
+            return open(path, "rb") if path is not None else None
+        except FileNotFoundError:
+            return None
+
+    handle = await asyncio.to_thread(opened)
     if handle is None:
         raise NotFound(f"{tinker_path} has no file {file_name} (deleted or expired)")
     size = os.fstat(handle.fileno()).st_size
@@ -172,73 +157,17 @@ async def copy_weights(body: CopyWeightsRequest, services: ServicesDep, owner: O
 
     The SDK sends one X-Idempotency-Key for all retries of a call: a retry gets the first copy's answer.
     """
-    source = checkpoint_of(services, body.source_path, owner,
-                           access_token=x_tinker_weights_access_token or body.weights_access_token)
+    source = await asyncio.to_thread(checkpoint_of, services.store, services.signer, body.source_path, owner,
+                                     x_tinker_weights_access_token or body.weights_access_token)
     if body.session_id is not None:
-        session_of(services.store, body.session_id, owner)
-        if services.store.get_training_run(model_id_for(body.session_id, body.model_seq_id)) is not None:
+        await session_of(services.store, body.session_id, owner)
+        target_run = model_id_for(body.session_id, body.model_seq_id)
+        if await asyncio.to_thread(services.store.get_training_run, target_run) is not None:
             raise Conflict(f"session {body.session_id} already has a run {body.model_seq_id}")
     if x_idempotency_key is None:
-        return await asyncio.to_thread(_copy, services, source, body, owner)
-    return await _copy_once(services, body, owner, x_idempotency_key, source)
-
-
-async def _copy_once(services: Services, body: CopyWeightsRequest, owner: str, key: str,
-                     source: CheckpointRecord) -> CopyWeightsResponse:
-    """Journal the copy under its idempotency key (per tenant), so it happens once whatever the retries."""
-    store, request_id = services.store, new_request_id()
-    record = await asyncio.to_thread(store.insert_future, request_id=request_id, request_type="CopyWeights",
-                                     model_id=f"copy_weights:{owner}:{key}", seq_id=0,
-                                     payload_hash=payload_hash(body.model_dump_json().encode()))
-    if record.request_id != request_id:
-        if record.payload_hash != payload_hash(body.model_dump_json().encode()):
-            raise Conflict(f"X-Idempotency-Key {key} was already used for a different copy_weights")
-        if record.status == "pending":
-            raise EngineUnavailable("a copy_weights with this X-Idempotency-Key is still running; try again")
-        if record.status == "failed":
-            raise (InvalidRequest if record.error_category == "user" else TinkerServerError)(record.error)
-        return CopyWeightsResponse.model_validate_json(record.result)
-    try:
-        response = await asyncio.to_thread(_copy, services, source, body, owner)
-    except TinkerServerError as error:
-        await asyncio.to_thread(store.fail_future, request_id, error=str(error), category=error.category)
-        raise
-    await asyncio.to_thread(store.complete_future, request_id, result=response.model_dump_json().encode(),
-                            content_type=JSON)
-    return response
-
-
-def _copy(services: Services, source: CheckpointRecord, body: CopyWeightsRequest, owner: str) -> CopyWeightsResponse:
-    store = services.store
-    # A new session holds the copy's run, unless the caller names one; it is finished at once, so the run is
-    # never trained.
-    new_session = body.destination_project_id is not None
-    session_id, model_seq_id = (str(uuid.uuid4()), 0) if new_session else (body.session_id, body.model_seq_id)
-    source_path = parse_tinker_path(source.tinker_path)
-    target = TinkerPath(model_id_for(session_id, model_seq_id), source_path.segment, source_path.name)
-    directory = target.new_version_directory(services.config.store.checkpoint_dir)
-    with services.checkpoint_pins.hold(source.tinker_path):
-        try:
-            shutil.copytree(source.directory, directory, copy_function=_link_or_copy)
-        except FileNotFoundError:
-            raise NotFound(f"no checkpoint {source.tinker_path} (deleted meanwhile)") from None
-    if new_session:
-        store.create_session(session_id, tags=[], user_metadata={}, sdk_version=None,
-                             display_name=f"copy of {source.tinker_path}", owner=owner)
-        store.set_session_project(session_id, body.destination_project_id)
-        store.finish_session(session_id, "copied")
-    source_run = store.get_training_run(source.model_id)
-    lora = LoraConfig(rank=source_run.lora_rank, seed=source_run.seed, train_mlp=source_run.train_mlp,
-                      train_attn=source_run.train_attn, train_unembed=source_run.train_unembed)
-    store.create_training_run(training_run_record(services, session_id=session_id, model_seq_id=model_seq_id,
-                                                  owner=owner, lora=lora, user_metadata=source_run.user_metadata))
-    now = utcnow()
-    store.add_checkpoint(CheckpointRecord(
-        tinker_path=str(target), model_id=target.model_id, checkpoint_id=target.checkpoint_id,
-        checkpoint_type=source.checkpoint_type, directory=str(directory), size_bytes=source.size_bytes, owner=owner,
-        user_metadata=source.user_metadata, created_at=now,
-        expires_at=now + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds is not None else None))
-    return CopyWeightsResponse(tinker_path=str(target))
+        return await asyncio.to_thread(copy_checkpoint, services.checkpoints, services.base.name, source, body, owner)
+    return await copy_checkpoint_once(services.checkpoints, services.base.name, source, body, owner, x_idempotency_key,
+                                      new_request_id(), payload_hash(body.model_dump_json().encode()))
 
 
 @router.post("/adapters/import", openapi_extra={"requestBody": {"required": True, "content": {
@@ -249,7 +178,7 @@ async def import_adapter(request: Request, services: ServicesDep, owner: OwnerDe
     body = ImportAdapterRequest.model_validate_json(await read_body(request, services.config.limits.max_request_bytes))
 
     def work():
-        check_storage_quota(services, owner)
+        check_storage_quota(services.store, services.config.limits, owner)
         adapter, lora_config = read_peft_adapter(
             body.adapter_config, body.adapter_model, services.trainer.targets,
             spellings(services.base.name) | {str(services.base.path)}, services.config.limits.max_lora_rank)
@@ -258,17 +187,3 @@ async def import_adapter(request: Request, services: ServicesDep, owner: OwnerDe
                                       lora_config=lora_config)
 
     return ImportAdapterResponse(**dataclasses.asdict(await asyncio.to_thread(work)))
-
-
-def _link_or_copy(source: str, destination: str) -> None:
-    # A hard link shares the bytes, and each copy still deletes on its own; another filesystem needs a copy.
-    try:
-        os.link(source, destination)
-    except OSError:
-        shutil.copy2(source, destination)
-
-
-async def sweep_expired(services: Services) -> list[str]:
-    """Delete expired checkpoints that are not in use (the housekeeping loop's job); returns their paths."""
-    return await asyncio.to_thread(sweep_expired_checkpoints, services.store, services.checkpoint_pins, utcnow(),
-                                   services.config.store.checkpoint_dir, lambda record: forget_checkpoint(services, record))

@@ -56,7 +56,7 @@ async def overview(services: ServicesDep, owner: OwnerDep) -> DashboardOverview:
 @router.get("/runs/{model_id}/curves")
 async def curves(model_id: str, services: ServicesDep, owner: OwnerDep) -> DashboardCurves:
     """A run's metrics per step: loss:sum and the loss's own metrics, KL where known, the optimizer's."""
-    run_of(services.store, model_id, owner)
+    await run_of(services.store, model_id, owner)
     recorded = await asyncio.to_thread(services.store.run_metrics.curves, model_id)
     steps = await asyncio.to_thread(services.store.run_metrics.num_steps, [model_id])
     return DashboardCurves(model_id=model_id, num_steps=steps[model_id],

@@ -1,8 +1,9 @@
-"""What every route needs: the server's services, the caller's tenant, bounded body reading, ids,
-the lookups of the caller's resources (404 where they are not the caller's) and the record builders.
+"""What every route needs: the server's services, the caller's tenant, bounded body reading, ids, the
+lookups of the caller's sessions, runs and samplers (404 where they are not the caller's), and the hand-off
+of a training request to the scheduler (with `sequenced`, which marks the routes that run in seq_id order).
 
-Routes stay thin: they validate, look things up here, and hand work to the scheduler. Route modules
-import this module, never each other.
+Routes stay thin: they validate, look things up here, and call named functions (server/runs.py,
+server/checkpoints/) or the scheduler. Route modules import this module, never each other.
 """
 
 import asyncio
@@ -13,13 +14,13 @@ import multiprocessing
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader
 from pydantic import BaseModel
 
+from server.checkpoints.lifecycle import Checkpoints
 from server.config import ServerConfig
 from server.errors import (Conflict, Forbidden, InvalidRequest, NotFound, PayloadTooLarge, TinkerServerError,
                            Unauthorized)
@@ -29,28 +30,26 @@ from server.models.loading import LoadedModel
 from server.rendering.chunks import RenderContext, RenderedInput
 from server.rendering.provenance import position_keys
 from server.rendering.sampling import VLLMRenderer
+from server.runs import storable_id
 from server.sampling.adapters import SamplerAdapters
-from server.sampling.engine import SamplingEngine, checkpoint_adapter_name
-from server.sampling.types import SampledSequence
+from server.sampling.types import SampledSequence, SamplingEngine
+from server.scheduler.requests import Respond
 from server.scheduler.sampling import SamplingFutures
-from server.scheduler.scheduler import Respond, Scheduler
+from server.scheduler.scheduler import Scheduler
 from server.store.api_keys import BOOTSTRAP_TENANT, KnownKeys, hash_api_key
-from server.store.checkpoints import parse_tinker_path
 from server.store.exports import Signer
 from server.store.ownership import Ownership
 from server.store.retention import CheckpointPins
 from server.store.sampled_sequences import SampledSequenceRecord
-from server.store.store import (CheckpointRecord, SamplingSessionRecord, SessionRecord, Store,
-                                TrainingRunRecord)
+from server.store.store import SamplingSessionRecord, SessionRecord, Store, TrainingRunRecord
 from server.training.operations import Operation
 from server.training.trainer import Trainer
+from server.wire import JSON
 from server.wire.proto import read_forward_backward_slot
-from server.wire.types import MAX_ID_LENGTH, MAX_SEQ_ID, LoraConfig, OptimizerConfig
+from server.wire.types import MAX_SEQ_ID, OptimizerConfig
 
 logger = logging.getLogger(__name__)
 
-JSON = "application/json"
-PROTOBUF = "application/x-protobuf"
 
 
 @dataclass
@@ -71,6 +70,8 @@ class Services:
     sampling_renderer: VLLMRenderer
     checkpoint_pins: CheckpointPins
     """Checkpoints that requests of this process are loading, writing or copying (never swept meanwhile)."""
+    checkpoints: Checkpoints
+    """What the checkpoint lifecycle (server/checkpoints) works with."""
     signer: Signer
     """Signs download URLs and weights access tokens."""
     metrics: ServerMetrics
@@ -177,62 +178,30 @@ async def read_body(request: Request, limit: int) -> bytes:
     return request.state.body
 
 
-def string_map(metadata: dict | None) -> dict[str, str]:
-    """user_metadata as stored: the wire allows any JSON values, the journal keeps strings."""
-    return {str(key): str(value) for key, value in (metadata or {}).items()}
-
-
-def _storable(identifier: str) -> bool:
-    # Ids in URL paths are not validated by a body model; none of ours is this long or holds NUL.
-    return len(identifier) <= MAX_ID_LENGTH and "\x00" not in identifier
-
-
-def session_of(store: Store, session_id: str, owner: str) -> SessionRecord:
-    """The caller's session, or 404 (another tenant's session is not found either)."""
-    session = store.get_session(session_id) if _storable(session_id) else None
+async def session_of(store: Store, session_id: str, owner: str) -> SessionRecord:
+    """The caller's session, or 404 (another tenant's session is not found either); read off the event loop."""
+    session = await asyncio.to_thread(store.get_session, session_id) if storable_id(session_id) else None
     if session is None or session.owner != owner:
         raise NotFound(f"no session {session_id}")
     return session
 
 
-def run_of(store: Store, model_id: str, owner: str) -> TrainingRunRecord:
-    """The caller's training run, or 404."""
-    run = store.get_training_run(model_id) if _storable(model_id) else None
+async def run_of(store: Store, model_id: str, owner: str) -> TrainingRunRecord:
+    """The caller's training run, or 404; read off the event loop."""
+    run = await asyncio.to_thread(store.get_training_run, model_id) if storable_id(model_id) else None
     if run is None or run.owner != owner:
         raise NotFound(f"no model {model_id}")
     return run
 
 
-def checkpoint_of(services: Services, path: str, owner: str, access_token: str | None = None) -> CheckpointRecord:
-    """The checkpoint behind a tinker:// path that the caller may read (load, sample, copy), or 404: its own,
-    a published one, or one whose weights access token it holds."""
-    tinker_path = str(parse_tinker_path(path))
-    record = services.store.get_checkpoint(tinker_path) if _storable(tinker_path) else None
-    return readable_checkpoint(services, record, path, owner, access_token)
-
-
-def readable_checkpoint(services: Services, record: CheckpointRecord | None, path: str, owner: str,
-                        access_token: str | None = None) -> CheckpointRecord:
-    """`record` (the checkpoint behind `path`) if the caller may read it, or 404."""
-    if record is not None and (record.owner == owner or record.public or (
-            access_token is not None and services.signer.valid_weights_access_token(
-                access_token, record.tinker_path, record.created_at.isoformat()))):
-        return record
-    raise NotFound(f"no checkpoint {path}")
-
-
-def owned_checkpoint_of(services: Services, path: str, owner: str) -> CheckpointRecord:
-    """The caller's own checkpoint behind a tinker:// path (to publish, expire or delete it), or 404."""
-    tinker_path = str(parse_tinker_path(path))
-    record = services.store.get_checkpoint(tinker_path) if _storable(tinker_path) else None
-    if record is None or record.owner != owner:
-        raise NotFound(f"no checkpoint {path}")
-    return record
-
-
-def sampler_of(services: Services, sampling_session_id: str, owner: str) -> SamplingSessionRecord:
-    """The caller's sampling session, or 404."""
-    record = services.store.get_sampling_session(sampling_session_id) if _storable(sampling_session_id) else None
+async def sampler_of(services: Services, sampling_session_id: str, owner: str) -> SamplingSessionRecord:
+    """The caller's sampling session, or 404: from memory when it was read lately (every sample request of an
+    RL loop names the same one), else read off the event loop."""
+    record = None
+    if storable_id(sampling_session_id):
+        store = services.store
+        record = (store.remembered_sampling_session(sampling_session_id)
+                  or await asyncio.to_thread(store.get_sampling_session, sampling_session_id))
     if record is None or record.owner != owner:
         raise NotFound(f"no sampling session {sampling_session_id}")
     return record
@@ -252,36 +221,6 @@ def check_base_model(services: Services, base_model: str | None) -> None:
 def check_optimizer(config: OptimizerConfig | None) -> None:
     if config is not None and config.type != "adamw":
         raise InvalidRequest(f"optimizer {config.type!r} is not supported; use adamw")
-
-
-def model_id_for(session_id: str, model_seq_id: int) -> str:
-    """The SDK builds this id on its own side for create-via-load, so it must be exactly this."""
-    return f"{session_id}:train:{model_seq_id}"
-
-
-def sampling_session_id_for(session_id: str, sampling_session_seq_id: int) -> str:
-    return f"{session_id}:sample:{sampling_session_seq_id}"
-
-
-def training_run_record(services: Services, *, session_id: str, model_seq_id: int, owner: str, lora: LoraConfig,
-                        user_metadata: dict | None) -> TrainingRunRecord:
-    """The journal's record of a new training run (create_model or create-via-load)."""
-    return TrainingRunRecord(
-        model_id=model_id_for(session_id, model_seq_id), session_id=session_id, owner=owner,
-        base_model=services.base.name, model_seq_id=model_seq_id, lora_rank=lora.rank, seed=lora.seed,
-        train_mlp=lora.train_mlp, train_attn=lora.train_attn, train_unembed=lora.train_unembed,
-        user_metadata=string_map(user_metadata))
-
-
-def ensure_sampling_session(services: Services, *, session_id: str, sampling_session_seq_id: int, owner: str,
-                            model_path: str | None = None, source_model_id: str | None = None) -> str:
-    """Journal a sampling session unless a retry already did; returns its id."""
-    sampling_session_id = sampling_session_id_for(session_id, sampling_session_seq_id)
-    if services.store.get_sampling_session(sampling_session_id) is None:
-        services.store.create_sampling_session(SamplingSessionRecord(
-            sampling_session_id=sampling_session_id, session_id=session_id, owner=owner,
-            base_model=services.base.name, model_path=model_path, source_model_id=source_model_id))
-    return sampling_session_id
 
 
 @dataclass(frozen=True)
@@ -309,10 +248,14 @@ async def submit_training_op(services: Services, *, owner: str, model_id: str, s
                                                     respond=submission.respond, release=submission.release)
 
 
-# Routes whose requests run in their model's seq_id order, and the request type each journals.
-SEQUENCED_ROUTES = {"/api/v1/forward_backward": "ForwardBackward", "/api/v1/optim_step": "OptimStep",
-                    "/api/v1/save_weights": "SaveWeights", "/api/v1/save_weights_for_sampler": "SaveWeightsForSampler",
-                    "/api/v1/load_weights": "LoadWeights", "/api/v1/save_weights_external": "SaveWeightsExternal"}
+def sequenced(request_type: str):
+    """Mark a route whose requests run in their model's seq_id order and journal as `request_type`: a refusal
+    of one still takes its seq_id (`journal_refusal`)."""
+    def mark(endpoint):
+        endpoint.request_type = request_type
+        return endpoint
+
+    return mark
 
 
 async def journal_refusal(request: Request, error: TinkerServerError) -> None:
@@ -323,15 +266,15 @@ async def journal_refusal(request: Request, error: TinkerServerError) -> None:
     touched; a body whose model_id and seq_id cannot be read leaves a gap that the scheduler's gap
     timeout closes.
     """
-    route = request.scope.get("route")
-    request_type = SEQUENCED_ROUTES.get(getattr(route, "path", None))
+    request_type = getattr(getattr(request.scope.get("route"), "endpoint", None), "request_type", None)
     tenant, body = getattr(request.state, "tenant", None), getattr(request.state, "body", None)
     if request_type is None or tenant is None or body is None or isinstance(error, Conflict):
         return
     services = services_of(request)
     if request_type == "ForwardBackward":
         inflated = getattr(request.state, "inflated", False)
-        slot = read_forward_backward_slot(body, None if inflated else request.headers.get("content-encoding"))
+        slot = read_forward_backward_slot(body, None if inflated else request.headers.get("content-encoding"),
+                                          services.config.limits.max_decompressed_bytes)
         if slot is not None and slot[2]:
             request_type = "Forward"
     else:
@@ -366,32 +309,6 @@ def _read_json_slot(body: bytes) -> tuple[str, int] | None:
     return model_id, seq_id
 
 
-def check_lora_rank(services: Services, rank: int) -> None:
-    limit = services.config.limits.max_lora_rank
-    if rank > limit:
-        raise InvalidRequest(f"lora rank {rank} is over this server's limit of {limit} (--max-lora-rank)")
-
-
-def check_run_quota(services: Services, owner: str) -> None:
-    """A tenant keeps at most --max-runs-per-tenant runs in memory (runs of its open sessions)."""
-    limit = services.config.limits.max_runs_per_tenant
-    if services.store.count_active_training_runs(owner) >= limit:
-        raise InvalidRequest(f"tenant {owner!r} already has {limit} training runs in open sessions, the limit "
-                             f"(--max-runs-per-tenant); close a ServiceClient (its session) to free them")
-
-
-def check_storage_quota(services: Services, owner: str) -> None:
-    """A tenant keeps at most --max-stored-gb-per-tenant of checkpoint files and journal rows (sessions, runs,
-    results, recorded samples) together. Runs on a worker thread: it sums over the journal."""
-    limit = services.config.limits.max_stored_bytes_per_tenant
-    checkpoints = services.store.stored_checkpoint_bytes(owner)
-    journal = services.store.tenant_data.journal_bytes(owner)
-    if checkpoints + journal >= limit:
-        raise InvalidRequest(f"tenant {owner!r} stores {checkpoints} bytes of checkpoints and {journal} of journal "
-                             f"(sessions, runs, results), at or over the limit of {limit} "
-                             f"(--max-stored-gb-per-tenant); delete checkpoints or sessions to store more")
-
-
 def check_sampled_tokens(services: Services, num_samples: int, max_tokens: int) -> None:
     limit = services.config.limits.max_sampled_tokens_per_request
     if num_samples * max_tokens > limit:
@@ -410,20 +327,6 @@ def check_loss_config(config: dict[str, float]) -> None:
             raise InvalidRequest(f"loss_fn_config {key} must be >= 0, got {config[key]:g}")
     if config.get("ratio_cap", 1.0) <= 0:
         raise InvalidRequest(f"loss_fn_config ratio_cap must be > 0, got {config['ratio_cap']:g}")
-
-
-def touch_run(services: Services, model_id: str) -> None:
-    """Note a run's latest request; best effort, since the request itself already happened."""
-    try:
-        services.store.touch_training_run(model_id)
-    except Exception:
-        logger.warning("could not update last_request_time of %s", model_id, exc_info=True)
-
-
-def forget_checkpoint(services: Services, record: CheckpointRecord) -> None:
-    """Release every cached copy of a deleted or overwritten checkpoint's adapter."""
-    services.adapters.forget(Path(record.directory))
-    services.sampler.forget(checkpoint_adapter_name(record.tinker_path, record.created_at))
 
 
 def json_result(response: BaseModel) -> tuple[bytes, str]:

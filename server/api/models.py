@@ -4,23 +4,10 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
-from server.api.deps import (
-    OwnerDep,
-    ServicesDep,
-    check_base_model,
-    check_lora_rank,
-    check_optimizer,
-    check_run_quota,
-    check_storage_quota,
-    json_result,
-    read_body,
-    run_of,
-    session_of,
-    submit_training_op,
-    training_run_record,
-    TrainingSubmission,
-)
-from server.scheduler.scheduler import CREATION_SEQ_ID
+from server.api.deps import (OwnerDep, ServicesDep, TrainingSubmission, check_base_model, check_optimizer, json_result,
+                             read_body, run_of, session_of, submit_training_op)
+from server.runs import check_lora_rank, check_run_quota, check_storage_quota, training_run_record
+from server.scheduler.ordering import CREATION_SEQ_ID
 from server.training.operations import CreateModel
 from server.wire.types import (
     CreateModelRequest,
@@ -43,14 +30,15 @@ async def create_model(request: Request, services: ServicesDep, owner: OwnerDep)
     """Start a LoRA training run on the served base model."""
     body = await read_body(request, services.config.limits.max_request_bytes)
     create = CreateModelRequest.model_validate_json(body)
-    session_of(services.store, create.session_id, owner)
+    await session_of(services.store, create.session_id, owner)
     check_base_model(services, create.base_model)
     check_optimizer(create.optimizer_config)
-    check_lora_rank(services, create.lora_config.rank)
-    check_run_quota(services, owner)
-    await asyncio.to_thread(check_storage_quota, services, owner)
-    record = training_run_record(services, session_id=create.session_id, model_seq_id=create.model_seq_id,
-                                 owner=owner, lora=create.lora_config, user_metadata=create.user_metadata)
+    check_lora_rank(services.config.limits, create.lora_config.rank)
+    await asyncio.to_thread(check_run_quota, services.store, services.config.limits, owner)
+    await asyncio.to_thread(check_storage_quota, services.store, services.config.limits, owner)
+    record = training_run_record(base_model=services.base.name, session_id=create.session_id,
+                                 model_seq_id=create.model_seq_id, owner=owner, lora=create.lora_config,
+                                 user_metadata=create.user_metadata)
     model_id = record.model_id
 
     def respond(_):
@@ -66,7 +54,7 @@ async def create_model(request: Request, services: ServicesDep, owner: OwnerDep)
 @router.post("/get_info")
 async def get_info(body: GetInfoRequest, services: ServicesDep, owner: OwnerDep) -> GetInfoResponse:
     """Describe a training run; `tokenizer_id` is a directory the SDK's get_tokenizer() loads offline."""
-    run = run_of(services.store, body.model_id, owner)
+    run = await run_of(services.store, body.model_id, owner)
     base = services.base
     return GetInfoResponse(
         model_id=run.model_id,

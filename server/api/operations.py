@@ -1,6 +1,8 @@
 """Operations: liveness and the docs page (the routes that need no key), Prometheus metrics (admin keys) and
 the API's schema."""
 
+import asyncio
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -23,7 +25,7 @@ async def healthz(services: ServicesDep) -> HealthResponse:
     journal = sqlite_journal_file(services.store.engine.url)
     full = [what for what, directory in (("checkpoints", services.config.store.checkpoint_dir),
                                          ("journal", journal.parent if journal else None))
-            if directory is not None and has_no_room(directory)]
+            if directory is not None and await asyncio.to_thread(has_no_room, directory)]
     if services.scheduler.num_unjournaled and "journal" not in full:
         full.append("journal")
     if full:

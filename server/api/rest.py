@@ -1,5 +1,7 @@
 """The REST listing surface: training runs and their checkpoints (changing a checkpoint is checkpoints.py)."""
 
+import asyncio
+
 from fastapi import APIRouter, Query
 
 from server.api.deps import OwnerDep, Services, ServicesDep, run_of
@@ -33,22 +35,27 @@ def training_run_view(services: Services, run: TrainingRunRecord) -> TrainingRun
 async def list_training_runs(services: ServicesDep, owner: OwnerDep, limit: int = Query(20, ge=1, le=1000),
                              offset: int = Query(0, ge=0, le=MAX_INT32), project_id: str | None = None) -> TrainingRunsResponse:
     """The caller's training runs (of one project, or all), newest first."""
-    runs, total = services.store.list_training_runs(owner=owner, limit=limit, offset=offset, project_id=project_id)
-    return TrainingRunsResponse(training_runs=[training_run_view(services, run) for run in runs],
-                                cursor=Cursor(offset=offset, limit=limit, total_count=total))
+    def listing():
+        runs, total = services.store.list_training_runs(owner=owner, limit=limit, offset=offset,
+                                                        project_id=project_id)
+        return TrainingRunsResponse(training_runs=[training_run_view(services, run) for run in runs],
+                                    cursor=Cursor(offset=offset, limit=limit, total_count=total))
+
+    return await asyncio.to_thread(listing)
 
 
 @router.get("/training_runs/{model_id}")
 async def get_training_run(model_id: str, services: ServicesDep, owner: OwnerDep) -> TrainingRun:
     """One training run."""
-    return training_run_view(services, run_of(services.store, model_id, owner))
+    return await asyncio.to_thread(training_run_view, services, await run_of(services.store, model_id, owner))
 
 
 @router.get("/training_runs/{model_id}/checkpoints")
 async def list_run_checkpoints(model_id: str, services: ServicesDep, owner: OwnerDep) -> CheckpointsListResponse:
     """A run's checkpoints, newest first."""
-    run_of(services.store, model_id, owner)
-    records, _ = services.store.list_checkpoints(model_id=model_id, owner=owner, limit=10_000, offset=0)
+    await run_of(services.store, model_id, owner)
+    records, _ = await asyncio.to_thread(services.store.list_checkpoints, model_id=model_id, owner=owner,
+                                         limit=10_000, offset=0)
     return CheckpointsListResponse(checkpoints=[checkpoint_view(r) for r in records])
 
 
@@ -56,6 +63,7 @@ async def list_run_checkpoints(model_id: str, services: ServicesDep, owner: Owne
 async def list_checkpoints(services: ServicesDep, owner: OwnerDep, limit: int = Query(100, ge=1, le=1000),
                            offset: int = Query(0, ge=0, le=MAX_INT32)) -> CheckpointsListResponse:
     """All of the caller's checkpoints, newest first."""
-    records, total = services.store.list_checkpoints(model_id=None, owner=owner, limit=limit, offset=offset)
+    records, total = await asyncio.to_thread(services.store.list_checkpoints, model_id=None, owner=owner,
+                                             limit=limit, offset=offset)
     return CheckpointsListResponse(checkpoints=[checkpoint_view(r) for r in records],
                                    cursor=Cursor(offset=offset, limit=limit, total_count=total))

@@ -8,14 +8,11 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 from server.api.deps import (
-    PROTOBUF,
     OwnerDep,
     Services,
     ServicesDep,
     check_base_model,
     check_sampled_tokens,
-    checkpoint_of,
-    ensure_sampling_session,
     payload_hash,
     read_body,
     record_sampled_sequences,
@@ -25,10 +22,13 @@ from server.api.deps import (
     tenant_of,
 )
 from server.api.sampling_inputs import check_num_samples, pin_adapter, sampling_options
+from server.checkpoints.access import checkpoint_of
 from server.errors import InvalidRequest
 from server.rendering.chunks import RenderedInput
+from server.runs import ensure_sampling_session
 from server.sampling.types import LogprobOptions, PromptTargets, SampleOutput, SamplingRequest
-from server.wire.proto import SampledSequenceOut, encode_sample_response
+from server.wire import PROTOBUF
+from server.wire.proto import encode_sample_response
 from server.wire.types import (
     CreateSamplingSessionRequest,
     CreateSamplingSessionResponse,
@@ -47,20 +47,24 @@ hot_router = APIRouter(prefix="/api/v1")
 async def create_sampling_session(body: CreateSamplingSessionRequest, services: ServicesDep,
                                   owner: OwnerDep) -> CreateSamplingSessionResponse:
     """A sampler over the base model or over a saved checkpoint."""
-    session_of(services.store, body.session_id, owner)
+    await session_of(services.store, body.session_id, owner)
     check_base_model(services, body.base_model)
-    if body.model_path is not None:
-        checkpoint_of(services, body.model_path, owner)
-    sampling_session_id = ensure_sampling_session(services, session_id=body.session_id,
-                                                  sampling_session_seq_id=body.sampling_session_seq_id, owner=owner,
-                                                  model_path=body.model_path)
+
+    def create() -> str:
+        if body.model_path is not None:
+            checkpoint_of(services.store, services.signer, body.model_path, owner)
+        return ensure_sampling_session(services.store, base_model=services.base.name, session_id=body.session_id,
+                                       sampling_session_seq_id=body.sampling_session_seq_id, owner=owner,
+                                       model_path=body.model_path)
+
+    sampling_session_id = await asyncio.to_thread(create)
     return CreateSamplingSessionResponse(sampling_session_id=sampling_session_id)
 
 
 @router.get("/samplers/{sampling_session_id}")
 async def get_sampler(sampling_session_id: str, services: ServicesDep, owner: OwnerDep) -> GetSamplerResponse:
     """Which model a sampler samples (the SDK asks when it only knows a model_path)."""
-    record = sampler_of(services, sampling_session_id, owner)
+    record = await sampler_of(services, sampling_session_id, owner)
     return GetSamplerResponse(sampler_id=record.sampling_session_id, base_model=record.base_model,
                               model_path=record.model_path)
 
@@ -94,7 +98,7 @@ async def asample(request: Request) -> UntypedAPIFuture:
     sample = SampleRequest.model_validate_json(body)
     record = None
     if sample.sampling_session_id is not None:
-        record = sampler_of(services, sample.sampling_session_id, owner)
+        record = await sampler_of(services, sample.sampling_session_id, owner)
     else:
         check_base_model(services, sample.base_model)
     check_num_samples(services, sample.num_samples, "num_samples")
@@ -133,18 +137,16 @@ async def asample(request: Request) -> UntypedAPIFuture:
         if sample.record_stability_info:
             record_sampled_sequences(services, record, prompt, adapter and adapter.name, sequence_ids,
                                      output.sequences)
-        sequences = [SampledSequenceOut(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason,
-                                        topk_logprobs=s.topk_logprobs)
-                     for s in output.sequences]
         target_logprobs = None
         if targets is not None:
             values = np.zeros(len(asked), dtype=np.float32)
             values[asked] = output.target_prompt_logprobs
             target_logprobs = (values, sample.target_prompt_logprobs)
         alt = output.prompt_alt_tokens
-        services.metrics.count_sample(owner, sum(len(s.tokens) for s in sequences), output.prompt_cache_hit_tokens,
+        num_tokens = sum(len(sequence.tokens) for sequence in output.sequences)
+        services.metrics.count_sample(owner, num_tokens, output.prompt_cache_hit_tokens,
                                       prompt.num_positions - output.prompt_cache_hit_tokens)
-        return encode_sample_response(sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk,
+        return encode_sample_response(output.sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk,
                                       target_prompt_logprobs=target_logprobs,
                                       prompt_alt_tokens=alt and (alt.tokens, alt.logprobs),
                                       prompt_cache_hit_tokens=output.prompt_cache_hit_tokens), PROTOBUF

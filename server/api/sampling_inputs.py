@@ -7,7 +7,8 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from server.api.deps import Services, checkpoint_of, readable_checkpoint
+from server.api.deps import Services
+from server.checkpoints.access import checkpoint_of, readable_checkpoint
 from server.errors import InvalidRequest, NotFound, PayloadTooLarge
 from server.rendering.chunks import RenderedInput
 from server.sampling.engine import checkpoint_adapter_name
@@ -40,7 +41,7 @@ async def pin_adapter(services: Services, record: SamplingSessionRecord | None, 
         return None, None
 
     def hold() -> CheckpointRecord:
-        checkpoint = checkpoint_of(services, path, owner)
+        checkpoint = checkpoint_of(services.store, services.signer, path, owner)
         services.checkpoint_pins.acquire(checkpoint.tinker_path)
         return checkpoint
 
@@ -49,7 +50,7 @@ async def pin_adapter(services: Services, record: SamplingSessionRecord | None, 
     remembered = services.store.remembered_checkpoint(str(parse_tinker_path(path)))
     if remembered is not None and services.checkpoint_pins.try_acquire(remembered.tinker_path):
         try:
-            checkpoint = readable_checkpoint(services, remembered, path, owner)
+            checkpoint = readable_checkpoint(services.signer, remembered, path, owner)
         except NotFound:
             services.checkpoint_pins.release(remembered.tinker_path)
             raise

@@ -7,8 +7,9 @@ from functools import partial
 
 from fastapi import APIRouter, Query
 
-from server.api.deps import OwnerDep, Services, ServicesDep, check_storage_quota, session_of, string_map
+from server.api.deps import OwnerDep, Services, ServicesDep, session_of
 from server.errors import Conflict, Gone
+from server.runs import check_storage_quota, string_map
 from server.store.store import SessionQuery, SessionSearchHit
 from server.wire.lifecycle import (
     AssignSessionProjectRequest,
@@ -52,12 +53,16 @@ async def client_config(body: ClientConfigRequest, services: ServicesDep) -> Cli
 @router.post("/create_session")
 async def create_session(body: CreateSessionRequest, services: ServicesDep, owner: OwnerDep) -> CreateSessionResponse:
     """Open an SDK session."""
-    await asyncio.to_thread(check_storage_quota, services, owner)
+    await asyncio.to_thread(check_storage_quota, services.store, services.config.limits, owner)
     session_id = str(uuid.uuid4())
-    services.store.create_session(session_id, tags=body.tags, user_metadata=string_map(body.user_metadata),
-                                  sdk_version=body.sdk_version, display_name=body.display_name, owner=owner)
-    if body.project_id:
-        services.store.set_session_project(session_id, body.project_id)
+
+    def create():
+        services.store.create_session(session_id, tags=body.tags, user_metadata=string_map(body.user_metadata),
+                                      sdk_version=body.sdk_version, display_name=body.display_name, owner=owner)
+        if body.project_id:
+            services.store.set_session_project(session_id, body.project_id)
+
+    await asyncio.to_thread(create)
     return CreateSessionResponse(session_id=session_id)
 
 
@@ -65,8 +70,8 @@ async def create_session(body: CreateSessionRequest, services: ServicesDep, owne
 async def session_heartbeat(body: SessionHeartbeatRequest, services: ServicesDep,
                             owner: OwnerDep) -> SessionHeartbeatResponse:
     """Keep a session alive; a finished session answers 410, which stops the SDK's heartbeat loop."""
-    session_of(services.store, body.session_id, owner)
-    if not services.store.heartbeat_session(body.session_id):
+    await session_of(services.store, body.session_id, owner)
+    if not await asyncio.to_thread(services.store.heartbeat_session, body.session_id):
         raise Gone(f"session {body.session_id} is finished")
     return SessionHeartbeatResponse()
 
@@ -75,9 +80,9 @@ async def session_heartbeat(body: SessionHeartbeatRequest, services: ServicesDep
 async def finish_session(session_id: str, body: FinishSessionRequest, services: ServicesDep,
                          owner: OwnerDep) -> dict:
     """Close a session (ServiceClient.close): its runs leave memory; runs and checkpoints stay listed."""
-    session_of(services.store, session_id, owner)
-    services.store.finish_session(session_id, body.reason.type)
-    _retire_runs(services, services.store.list_training_run_ids(session_id))
+    await session_of(services.store, session_id, owner)
+    await asyncio.to_thread(services.store.finish_session, session_id, body.reason.type)
+    _retire_runs(services, await asyncio.to_thread(services.store.list_training_run_ids, session_id))
     return {}
 
 
@@ -103,16 +108,17 @@ def _retire_runs(services: Services, model_ids: list[str]) -> None:
 async def list_sessions(services: ServicesDep, owner: OwnerDep, limit: int = Query(20, ge=1, le=1000),
                         offset: int = Query(0, ge=0, le=MAX_INT32)) -> ListSessionsResponse:
     """The caller's sessions, newest first."""
-    sessions = services.store.list_sessions(owner=owner, limit=limit, offset=offset)
+    sessions = await asyncio.to_thread(services.store.list_sessions, owner=owner, limit=limit, offset=offset)
     return ListSessionsResponse(sessions=[s.session_id for s in sessions])
 
 
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, services: ServicesDep, owner: OwnerDep) -> GetSessionResponse:
     """A session's training runs and samplers."""
-    session = session_of(services.store, session_id, owner)
-    return GetSessionResponse(training_run_ids=services.store.list_training_run_ids(session_id),
-                              sampler_ids=services.store.list_sampling_session_ids(session_id),
+    session = await session_of(services.store, session_id, owner)
+    store = services.store
+    return GetSessionResponse(training_run_ids=await asyncio.to_thread(store.list_training_run_ids, session_id),
+                              sampler_ids=await asyncio.to_thread(store.list_sampling_session_ids, session_id),
                               user_metadata=session.user_metadata or None, display_name=session.display_name)
 
 
@@ -120,7 +126,7 @@ async def get_session(session_id: str, services: ServicesDep, owner: OwnerDep) -
 async def delete_session(session_id: str, services: ServicesDep, owner: OwnerDep) -> dict:
     """Delete a finished session with its runs, their results and curves, and its samplers (not an SDK call). A
     session that still has checkpoints, or requests queued or running, is a 409 that says what to do first."""
-    session = session_of(services.store, session_id, owner)
+    session = await session_of(services.store, session_id, owner)
     if session.finished_at is None:
         raise Conflict(f"session {session_id} is still open: finish it first (ServiceClient.close(), or "
                        f"POST /api/v1/sessions/{session_id}/finish)")
@@ -131,7 +137,8 @@ async def delete_session(session_id: str, services: ServicesDep, owner: OwnerDep
         raise Conflict(f"run {busy[0]} of session {session_id} still has requests queued or running; try again "
                        f"once they are done")
     for model_id in run_ids:
-        checkpoints, _ = services.store.list_checkpoints(model_id=model_id, owner=owner, limit=1, offset=0)
+        checkpoints, _ = await asyncio.to_thread(services.store.list_checkpoints, model_id=model_id, owner=owner,
+                                                 limit=1, offset=0)
         if checkpoints:
             raise Conflict(f"session {session_id} still has checkpoints (such as {checkpoints[0].tinker_path}): "
                            f"delete them first (DELETE /api/v1/training_runs/{{run}}/checkpoints/{{id}})")
@@ -143,8 +150,8 @@ async def delete_session(session_id: str, services: ServicesDep, owner: OwnerDep
 async def assign_session_project(session_id: str, body: AssignSessionProjectRequest, services: ServicesDep,
                                  owner: OwnerDep) -> dict:
     """Move a session, with its runs and samplers, into a project (a label within the tenant)."""
-    session_of(services.store, session_id, owner)
-    services.store.set_session_project(session_id, body.project_id)
+    await session_of(services.store, session_id, owner)
+    await asyncio.to_thread(services.store.set_session_project, session_id, body.project_id)
     return {}
 
 

@@ -4,15 +4,17 @@ import asyncio
 
 from fastapi import APIRouter, Request
 
-from server.api.deps import (PROTOBUF, OwnerDep, ServicesDep, TrainingSubmission, check_loss_config, json_result,
-                             read_body, recorded_sequences_of, run_of, submit_training_op, touch_run)
+from server.api.deps import (OwnerDep, ServicesDep, TrainingSubmission, check_loss_config, json_result, read_body,
+                             recorded_sequences_of, run_of, sequenced, submit_training_op)
 from server.errors import InvalidRequest
 from server.rendering.provenance import attach_recorded_samples, named_sequence_ids
 from server.rendering.training import render_training_datum
+from server.runs import touch_run
 from server.store.run_metrics import FORWARD_BACKWARD, OPTIM_STEP
 from server.training.curves import curve_metrics
 from server.training.losses import resolve_loss
 from server.training.operations import ForwardBackward, OptimStep
+from server.wire import PROTOBUF
 from server.wire.proto import (decode_forward_backward_request, encode_forward_backward_output,
                                inflate_forward_backward_body)
 from server.wire.types import AdamParams, OptimStepRequest, OptimStepResponse, UntypedAPIFuture
@@ -21,6 +23,7 @@ router = APIRouter(prefix="/api/v1")
 
 
 @router.post("/forward_backward")
+@sequenced("ForwardBackward")
 async def forward_backward(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
     """Compute the loss on a batch and, unless forward_only, accumulate its gradients."""
     limits = services.config.limits
@@ -28,7 +31,8 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
     # Off the event loop: a large body takes a while to inflate and parse, and other connections must not wait.
     # Journaled and hashed as decoded: the same request resent in another encoding is the same request.
     body = request.state.body = await asyncio.to_thread(inflate_forward_backward_body, body,
-                                                        request.headers.get("content-encoding"))
+                                                        request.headers.get("content-encoding"),
+                                                        limits.max_decompressed_bytes)
     request.state.inflated = True
     try:
         fwdbwd = await asyncio.to_thread(decode_forward_backward_request, body, None)
@@ -39,7 +43,7 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
     if len(fwdbwd.data) > limits.max_datums_per_request:
         raise InvalidRequest(f"forward_backward has {len(fwdbwd.data)} datums, over this server's limit of "
                              f"{limits.max_datums_per_request} (--max-datums-per-request); send them in several calls")
-    run = run_of(services.store, fwdbwd.model_id, owner)
+    run = await run_of(services.store, fwdbwd.model_id, owner)
 
     def prepare():
         if not fwdbwd.data:
@@ -55,7 +59,7 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
                 attach_recorded_samples(example, datum, index, recorded, vision.image_token_id if vision else None)
 
         def respond(result):
-            touch_run(services, fwdbwd.model_id)
+            touch_run(services.store, fwdbwd.model_id)
             if not fwdbwd.forward_only:
                 services.store.run_metrics.record(fwdbwd.model_id, FORWARD_BACKWARD,
                                                   curve_metrics(examples, result.outputs, result.metrics))
@@ -71,11 +75,12 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
 
 
 @router.post("/optim_step")
+@sequenced("OptimStep")
 async def optim_step(request: Request, services: ServicesDep, owner: OwnerDep) -> UntypedAPIFuture:
     """Apply one AdamW step with every AdamParams field, then clear the gradients."""
     body = await read_body(request, services.config.limits.max_request_bytes)
     step = OptimStepRequest.model_validate_json(body)
-    run_of(services.store, step.model_id, owner)
+    await run_of(services.store, step.model_id, owner)
 
     def prepare():
         if not isinstance(step.adam_params, AdamParams):

@@ -2,12 +2,18 @@
 
 Read from the checkpoint's own preprocessor_config.json, so the token count of an image (what a
 client's ImageChunk.expected_tokens must equal) is the processor's own arithmetic. Decoding and
-resizing pixels is `server/rendering/images.py`'s job, not this module's.
+resizing pixels is `server/rendering/images.py`'s job; it hands back a `PreparedImage`, defined here so that
+the vision tower (models/) and the renderers (rendering/) share it without models importing rendering.
 """
 
+import functools
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+from PIL import Image
 
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -64,3 +70,59 @@ class ImageProcessorSpec:
         """Image pad tokens an image of this size becomes (what ImageChunk.expected_tokens must equal)."""
         resized_height, resized_width = self.resized_size(height, width)
         return resized_height * resized_width // (self.patch_size * self.merge_size) ** 2
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """One decoded image, ready for the vision tower (pixel_values) or for vLLM (pixels).
+
+    Only the uint8 pixels travel when it is sent to another training rank: `pixel_values`
+    (eight times larger) is derived where it is needed, and only where the features are not cached.
+    """
+
+    sha256: str
+    """Hex digest of the encoded bytes: the key of every cache of this image."""
+    pixels: torch.Tensor
+    """uint8 [C, H, W], RGB, already resized to the processor's size (so resizing it again is a no-op)."""
+    grid_thw: tuple[int, int, int]
+    """Patch grid (temporal, height, width) before merging, as image_grid_thw holds it."""
+    num_tokens: int
+    """Image pad tokens of this image in the model's sequence."""
+    processor: ImageProcessorSpec
+
+    @functools.cached_property
+    def pixel_values(self) -> torch.Tensor:
+        """float32 [P, C * temporal_patch * patch * patch] in the processor's patch order."""
+        spec = self.processor
+        # Rescale and normalise in one step, as the processor fuses them: (x - mean / r) / (std / r).
+        mean = torch.tensor(spec.image_mean, dtype=torch.float32) * (1.0 / spec.rescale_factor)
+        std = torch.tensor(spec.image_std, dtype=torch.float32) * (1.0 / spec.rescale_factor)
+        normalized_CHW = (self.pixels.float() - mean[:, None, None]) / std[:, None, None]
+        p, m, t = spec.patch_size, spec.merge_size, spec.temporal_patch_size
+        _, grid_h, grid_w = self.grid_thw
+        # [C, gh/m, m, p, gw/m, m, p] -> [gh/m, gw/m, m, m, C, p, p]: merged 2x2 groups of patches are contiguous.
+        patches = normalized_CHW.reshape(3, grid_h // m, m, p, grid_w // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
+        # A still image is its own temporal patch: each patch repeats `t` times along time.
+        patches = patches.unsqueeze(5).expand(-1, -1, -1, -1, -1, t, -1, -1)
+        return patches.reshape(grid_h * grid_w, 3 * t * p * p).contiguous()
+
+    def __getstate__(self) -> dict:
+        return {name: value for name, value in self.__dict__.items() if name not in ("pixel_values", "png_bytes")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the pixels, and the pixel values and PNG once derived (the caches count them up
+        front; a PNG of these pixels is about their size at most)."""
+        _, grid_h, grid_w = self.grid_thw
+        spec = self.processor
+        return 2 * self.pixels.numel() + grid_h * grid_w * 3 * spec.temporal_patch_size * spec.patch_size ** 2 * 4
+
+    @functools.cached_property
+    def png_bytes(self) -> bytes:
+        """The resized RGB pixels as a lossless PNG (what an external engine decodes back exactly)."""
+        buffer = io.BytesIO()
+        Image.fromarray(self.pixels.permute(1, 2, 0).numpy()).save(buffer, format="PNG")
+        return buffer.getvalue()

@@ -13,7 +13,7 @@ from collections import OrderedDict
 import torch
 from transformers.utils import ModelOutput
 
-from server.rendering.images import PreparedImage
+from server.models.image_processor import PreparedImage
 
 # Per image, each field of the vision output: a tensor, or one tensor per deepstack layer.
 ImageFeatures = dict[str, torch.Tensor | list[torch.Tensor]]

@@ -14,9 +14,10 @@ import numpy as np
 import torch
 
 from server.errors import InvalidRequest, PayloadTooLarge
+from server.models.image_processor import PreparedImage
 from server.models.loading import LoadedModel, LoadedVision
 from server.models.positions import Segment
-from server.rendering.images import ImagePreparer, PreparedImage
+from server.rendering.images import ImagePreparer
 from server.wire.types import EncodedTextChunk, ImageAssetPointerChunk, ImageChunk, ModelInput
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from server.errors import InvalidRequest
-from server.rendering.images import PreparedImage
+from server.models.image_processor import PreparedImage
 from server.rendering.training import TrainingExample
 from server.wire.types import Datum, ProvenanceSpan
 

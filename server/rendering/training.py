@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from server.errors import InvalidRequest
+from server.models.image_processor import PreparedImage
 from server.rendering.chunks import RenderContext, position_ids, render_model_input
-from server.rendering.images import PreparedImage
 from server.wire.types import Datum
 
 

@@ -21,8 +21,8 @@ import torch
 
 from server.config import SamplerConfig
 from server.errors import NotFound
-from server.training.checkpoint_io import load_checkpoint, save_peft_adapter
-from server.training.lora import LoraAdapter
+from server.lora.checkpoint_io import load_checkpoint, save_peft_adapter
+from server.lora.layers import LoraAdapter
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ arrives joins the running batch at the next decode step: it is prefilled (with t
 and its cache is merged into the batch's, left-padded, with an attention mask and explicit rope
 positions for every row; it leaves the batch when its last sample stops, so a long request never
 holds a short one. Rows of any mix of adapters share every forward (one adapter per row,
-training/lora.py), and the batch stays within a token budget. A request's samples join a few at a
+lora/layers.py), and the batch stays within a token budget. A request's samples join a few at a
 time when they do not all fit, and one request holds at most half the budget while others wait; a
 request with no row yet may take one beyond the budget (such rows add at most an eighth, at least
 one), so a request that arrives while long rows fill the batch starts at the next step. Each
@@ -49,7 +49,7 @@ from server.sampling.batch_cache import append_rows, drop_left, new_cache, selec
 from server.sampling.draws import best_alternatives, draw, sample_tokens, seeded_generator
 from server.sampling.prefix_cache import PrefixCache, Segment, block_keys, content_ids
 from server.sampling.types import PromptAltTokens, SampledSequence, SampleOutput, SamplingRequest
-from server.training.lora import AdapterSlot, AdapterStack, LoraAdapter, apply_lora_wrappers, use_adapter_rows
+from server.lora.layers import AdapterSlot, AdapterStack, LoraAdapter, apply_lora_wrappers, use_adapter_rows
 
 logger = logging.getLogger(__name__)
 

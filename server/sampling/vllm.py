@@ -34,7 +34,6 @@ What vLLM does not serve goes to the embedded engine beside it (`fallback`), bat
 import base64
 import logging
 import threading
-from typing import TYPE_CHECKING
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,13 +41,10 @@ import httpx
 
 from server.errors import (Conflict, EngineUnavailable, InvalidRequest, NotFound, PayloadTooLarge,
                            TinkerServerError)
-from server.sampling.types import AdapterRef, LogprobOptions, SampledSequence, SampleOutput, SamplingOptions, \
-    SamplingRequest
+from server.sampling.types import AdapterRef, LogprobOptions, SampledSequence, SampleOutput, SamplingEngine, \
+    SamplingOptions, SamplingRequest
 from server.sampling.vllm_process import VLLMEndpoint
-from server.training.checkpoint_io import load_checkpoint
-
-if TYPE_CHECKING:
-    from server.sampling.engine import SamplingEngine
+from server.lora.checkpoint_io import load_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +61,7 @@ _MAX_CONCURRENT_REQUESTS = 256
 class VLLMEngine:
     """Samples through a vLLM server; thread-safe, and concurrent calls run concurrently in vLLM."""
 
-    def __init__(self, server: VLLMEndpoint, fallback: "SamplingEngine | None" = None, *,
+    def __init__(self, server: VLLMEndpoint, fallback: SamplingEngine | None = None, *,
                  request_timeout_s: float = 600.0):
         """
         Args:

@@ -1,19 +1,9 @@
-"""Sampling requests from acceptance to retrieval: in memory, bounded, and handed to the engine without a thread.
+"""Sampling admission: requests from acceptance to retrieval, in memory, bounded, handed to the engine
+without a thread.
 
-Sampling is RL's hot path: one short request per episode per turn, thousands a second, each asked for
-again with `retrieve_future` right after it is accepted. So nothing here touches the journal or holds
-a thread: a request goes to the engine with `submit` (the engine batches whatever is in flight), its
-result is turned into the future's payload when the engine is done, and its waiter is woken in memory.
-What sampling futures need kept lives here, bounded:
-- each pending or unretrieved request's (sampling session, seq_id), so that a resent request gets the
-  original request id and never samples twice (a Conflict if its payload differs);
-- outcomes until they are retrieved, at most `keep_seconds` and `max_kept_bytes` of them (the oldest
-  go first);
-- at most `max_pending` requests in the engine: more get a 429, which the SDK takes as backpressure
-  (it waits, then sends the same seq_id again).
-A sampling request id this server does not know (a restart lost it, it was forgotten, or it is another
-tenant's) answers 410, on which the SDK sends the sample again: a kill -9 loses at most the sampling
-requests in flight, never a result a client holds. Knows nothing about HTTP, rendering or the journal.
+Sampling is RL's hot path (one short request per episode per turn, thousands a second), so nothing
+here touches the journal or holds a thread; what must be kept, and its bounds, is `SamplingFutures`'.
+Training order is elsewhere (ordering.py). Knows nothing about HTTP, rendering or the journal.
 """
 
 import asyncio
@@ -26,8 +16,7 @@ from dataclasses import dataclass, field
 
 from server.errors import Conflict, Gone, Overloaded, ShuttingDown
 from server.metrics import ServerMetrics
-from server.sampling.engine import SamplingEngine
-from server.sampling.types import SampleOutput, SamplingRequest
+from server.sampling.types import SampleOutput, SamplingEngine, SamplingRequest
 from server.scheduler.outcomes import Outcome, failure_of
 
 REQUEST_ID_PREFIX = "sample-"
@@ -57,7 +46,21 @@ class _Future:
 
 
 class SamplingFutures:
-    """The sampling requests of one server, from `submit` to `retrieve`; event-loop only (but `close`)."""
+    """The sampling requests of one server, from `submit` to `retrieve`; event-loop only (but `close`).
+
+    A request goes to the engine with `submit` (the engine batches whatever is in flight), its result is
+    turned into the future's payload when the engine is done, and its waiter is woken in memory. Kept,
+    bounded:
+    - each pending or unretrieved request's (sampling session, seq_id), so that a resent request gets the
+      original request id and never samples twice (a Conflict if its payload differs);
+    - outcomes until they are retrieved, at most `keep_seconds` and `max_kept_bytes` of them (the oldest
+      go first);
+    - at most `max_pending` requests in the engine: more get a 429, which the SDK takes as backpressure
+      (it waits, then sends the same seq_id again).
+    A sampling request id this server does not know (a restart lost it, it was forgotten, or it is another
+    tenant's) answers 410, on which the SDK sends the sample again: a kill -9 loses at most the sampling
+    requests in flight, never a result a client holds.
+    """
 
     def __init__(self, engine: SamplingEngine, metrics: ServerMetrics, *, max_pending: int = 4096,
                  max_kept_bytes: int = 1 << 30, keep_seconds: float = 600.0, hidden_paths: tuple[str, ...] = ()):

@@ -579,6 +579,10 @@ class Store:
             self._sampling_sessions.put(sampling_session_id, record, era)
         return record
 
+    def remembered_sampling_session(self, sampling_session_id: str) -> SamplingSessionRecord | None:
+        """The sampling session if it was read lately, without touching the database (safe on the event loop)."""
+        return self._sampling_sessions.get(sampling_session_id)
+
     def delete_session(self, session_id: str) -> None:
         """Delete a session with its runs and samplers (see TenantData.delete_session)."""
         self.tenant_data.delete_session(session_id)

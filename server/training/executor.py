@@ -7,8 +7,8 @@ who turns them into responses.
 """
 
 from server.errors import TinkerServerError
-from server.training.checkpoint_io import AdapterState
-from server.training.lora import LoraAdapter
+from server.lora.checkpoint_io import AdapterState
+from server.lora.layers import LoraAdapter
 from server.training.losses import resolve_loss
 from server.training.operations import (CreateModel, ForwardBackward, LoadState, Operation, OptimStep, SaveState,
                                         Snapshot, Unload)
@@ -28,8 +28,8 @@ class TrainingExecutor:
         """Run one operation that is not a forward_backward."""
         trainer = self.trainer
         match operation:
-            case CreateModel(model_id, lora_config):
-                trainer.create_model(model_id, lora_config)
+            case CreateModel(model_id, lora_config, seed):
+                trainer.create_model(model_id, lora_config, seed)
                 return None
             case LoadState(model_id, directory, with_optimizer, create=True):
                 return trainer.create_model_from_checkpoint(model_id, directory, with_optimizer)

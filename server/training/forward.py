@@ -12,7 +12,7 @@ chunk's logits, so the vocabulary-wide matmul runs twice instead of three times 
 backward). Otherwise (gspo's per-datum ratio) the logprobs come first, then one more pass.
 
 The unembedding's LoRA (one adapter, or one per row of a multi-run pass) is applied here, from
-what lm_head's wrapper holds; the decoder's LoRA is the wrappers' own business (training/lora.py).
+what lm_head's wrapper holds; the decoder's LoRA is the wrappers' own business (lora/layers.py).
 
 Shapes: B = rows, T = padded length, D = hidden size, N = real (unpadded) positions of all rows,
 C = positions of a chunk, K = targets per position, V = vocabulary, J = LoRA columns.

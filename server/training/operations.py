@@ -19,6 +19,9 @@ class CreateModel:
 
     model_id: str
     lora_config: LoraConfig
+    seed: int | None = None
+    """The adapter's initialisation seed; None: the LoraConfig's, else a random one (which the trainer fixes
+    before it sends the operation to its other ranks, so that every rank starts from the same adapter)."""
 
 
 @dataclass(frozen=True)
@@ -82,3 +85,7 @@ class Unload:
 
 
 Operation = CreateModel | LoadState | ForwardBackward | OptimStep | SaveState | Snapshot | Unload
+
+RankCommand = CreateModel | LoadState | OptimStep | Unload | list[ForwardBackward]
+"""What rank 0 sends the other training ranks to run with it: an operation, or a pass (its operations
+without their datums, which travel separately)."""

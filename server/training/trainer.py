@@ -1,14 +1,9 @@
 """The training backend: per-run LoRA adapters and AdamW state over one shared, frozen base model.
 
-Runs forward/forward_backward passes with Tinker's token-sum losses, for one run or for several at
-once (each row with its own run's adapter, each run's gradient in its own accumulators, equal to
-running each alone), accumulates gradients across calls until optim_step, and copies and loads
-checkpoints. Every training rank runs the same methods in the same order: rank 0 (in the server,
-called from the scheduler's training thread through the executor) first sends each collective call
-to the other ranks, then splits the datums among them; the other ranks follow in `follow_leader`.
-A pass moves its inputs to the device before its first micro-batch and its outputs back after the
-last, so that nothing in between waits for the device. It knows nothing about HTTP, futures or
-the database.
+Forward/forward_backward passes with Tinker's token-sum losses (one run, or several at once, each
+row with its own run's adapter and each run's gradient in its own accumulators), gradients
+accumulated until optim_step, checkpoints copied and loaded, on every training rank in step (rank 0
+leads, see `follow_leader`). Knows nothing about HTTP, futures or the database.
 
 Shapes: B = datums in a micro-batch, T = padded length, N = real positions, K = targets per position.
 """
@@ -23,17 +18,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from server.config import ServerConfig, TrainerConfig
+from server.config import ModelConfig, TrainerConfig
 from server.errors import InvalidRequest, NotFound
+from server.lora import checkpoint_io
+from server.lora.layers import (AdapterStack, LoraAdapter, LoraTarget, all_finite, apply_lora_wrappers,
+                                select_targets, use_adapter, use_adapter_rows)
 from server.models.loading import LoadedModel, load_base_model
 from server.models.vision_features import VisionEncoder
 from server.rendering.training import TrainingExample
-from server.training import checkpoint_io
 from server.training.forward import TargetLogprobs
-from server.training.lora import (AdapterStack, LoraAdapter, LoraTarget, all_finite, apply_lora_wrappers,
-                                  select_targets, use_adapter, use_adapter_rows)
 from server.training.losses import DatumLoss, MicrobatchLoss, combine_metrics, resolve_loss
-from server.training.operations import ForwardBackward
+from server.training.operations import CreateModel, ForwardBackward, LoadState, OptimStep, RankCommand, Unload
 from server.training.parallel import TrainingGroup, prepare_blocks
 from server.wire.types import AdamParams, LoraConfig
 
@@ -125,11 +120,12 @@ def _restore_optimizer(optimizer: torch.optim.AdamW, copy: list[tuple[torch.Tens
                 optimizer.state.pop(parameter, None)
 
 
-def build_trainer(config: ServerConfig, group: TrainingGroup) -> "Trainer":
+def build_trainer(model: ModelConfig, config: TrainerConfig, feature_cache_bytes: int,
+                  group: TrainingGroup) -> "Trainer":
     """Load the base model on this rank's device and shard it for training."""
-    base = load_base_model(config.model, device=group.device)
-    vision = VisionEncoder(base.model, config.images.feature_cache_bytes) if base.vision is not None else None
-    return Trainer(base, config.trainer, group, vision)
+    base = load_base_model(model, device=group.device)
+    vision = VisionEncoder(base.model, feature_cache_bytes) if base.vision is not None else None
+    return Trainer(base, config, group, vision)
 
 
 class Trainer:
@@ -154,19 +150,42 @@ class Trainer:
                        config.activation_checkpointing or base.family.hybrid, config.compile)
         self.models: dict[str, TrainableModel] = {}
 
-    def _lead(self, method: str, *args) -> None:
-        """On rank 0: have the other ranks run `method(*args)` too (bulk data travels separately)."""
+    def _lead(self, command: RankCommand) -> None:
+        """On rank 0: have the other ranks run `command` too (bulk data travels separately)."""
         if self.group.is_leader and self.group.world_size > 1:
-            self.group.broadcast((method, args))
+            self.group.broadcast(command)
 
     def follow_leader(self) -> None:
-        """On ranks other than 0: run rank 0's collective calls until it says stop."""
+        """On ranks other than 0: run rank 0's commands until it says stop.
+
+        Every rank runs the same methods in the same order: rank 0 (called from the scheduler's training
+        thread through the executor) first sends each collective call to the others as a typed command
+        (operations.py's `RankCommand`), then splits the datums among them. A pass moves its inputs to
+        the device before its first micro-batch and its outputs back after the last, so that nothing in
+        between waits for the device.
+        """
         while (command := self.group.broadcast()) is not None:
-            method, args = command
             try:
-                getattr(self, method)(*args)
+                self._follow(command)
             except Exception:  # rank 0 met the same error and reported it; keep in step with it
-                logger.exception("rank %d: %s failed", self.group.rank, method)
+                logger.exception("rank %d: %s failed", self.group.rank, type(command).__name__)
+
+    def _follow(self, command: RankCommand) -> None:
+        match command:
+            case CreateModel(model_id, lora_config, seed):
+                self.create_model(model_id, lora_config, seed)
+            case LoadState(model_id, directory, with_optimizer, create=True):
+                self.create_model_from_checkpoint(model_id, directory, with_optimizer)
+            case LoadState(model_id, directory, with_optimizer, create=False):
+                self.load_state(model_id, directory, with_optimizer)
+            case OptimStep(model_id, params):
+                self.optim_step(model_id, params)
+            case Unload(model_id):
+                self.unload(model_id)
+            case list():
+                self.forward_backward_pass(command)
+            case _:
+                raise TypeError(f"not a command for a training rank: {command!r}")
 
     def stop_followers(self) -> None:
         if self.group.is_leader and self.group.world_size > 1:
@@ -182,7 +201,7 @@ class Trainer:
             raise InvalidRequest("the LoraConfig's train_* flags select no layer of this model")
         if seed is None:
             seed = lora_config.seed if lora_config.seed is not None else random.randrange(2**31)
-        self._lead("create_model", model_id, lora_config, seed)
+        self._lead(CreateModel(model_id, lora_config, seed))
         adapter = LoraAdapter.initialize(targets, lora_config.rank, self.config.lora_alpha, seed, self.device)
         self.models[model_id] = TrainableModel(model_id, lora_config, adapter, _new_optimizer(adapter))
 
@@ -194,7 +213,7 @@ class Trainer:
         return model
 
     def unload(self, model_id: str) -> None:
-        self._lead("unload", model_id)
+        self._lead(Unload(model_id))
         self.models.pop(model_id, None)
 
     # -- forward / backward --------------------------------------------------------------------
@@ -218,7 +237,7 @@ class Trainer:
         assert all(request.forward_only == forward_only for request in requests)
         adapters = [self.get(request.model_id).adapter for request in requests]
         losses = [resolve_loss(request.loss_fn, request.loss_fn_config) for request in requests]
-        self._lead("forward_backward_pass", [dataclasses.replace(request, examples=None) for request in requests])
+        self._lead([dataclasses.replace(request, examples=None) for request in requests])
         plan = None
         if self.group.is_leader:
             items = [(r, d, example) for r, request in enumerate(requests)
@@ -355,7 +374,7 @@ class Trainer:
         batch, so every rank's replica takes the same step.
         """
         run = self.get(model_id)
-        self._lead("optim_step", model_id, params)
+        self._lead(OptimStep(model_id, params))
         if self.group.world_size > 1:
             self._sum_gradients(run.adapter.parameters())
         trained = [t for t in run.adapter.parameters() if t.grad is not None]
@@ -425,14 +444,14 @@ class Trainer:
         if loaded.lora_config.rank != run.lora_config.rank or loaded.adapter.lora_A.keys() != run.adapter.lora_A.keys():
             raise InvalidRequest(f"checkpoint has rank {loaded.lora_config.rank} and other layers than run "
                                  f"{model_id} (rank {run.lora_config.rank})")
-        self._lead("load_state", model_id, directory, with_optimizer)
+        self._lead(LoadState(model_id, directory, with_optimizer, create=False))
         self._install(model_id, run.lora_config, loaded)
 
     def create_model_from_checkpoint(self, model_id: str, directory, with_optimizer: bool) -> LoraConfig:
         """Start a run from a checkpoint (create-via-load, on every rank); returns the LoRA config it carried."""
         loaded = checkpoint_io.load_checkpoint(directory, self.device, with_optimizer)
         loaded.adapter.check_finite("the checkpoint's weights")
-        self._lead("create_model_from_checkpoint", model_id, directory, with_optimizer)
+        self._lead(LoadState(model_id, directory, with_optimizer, create=True))
         self._install(model_id, loaded.lora_config, loaded)
         return loaded.lora_config
 

@@ -17,6 +17,7 @@ import torch
 import zstandard
 from google.protobuf.message import DecodeError
 
+from server.config import LimitsConfig
 from server.errors import InvalidRequest, PayloadTooLarge
 from server.wire import tinker_public_pb2 as pb
 from server.wire.types import (
@@ -31,8 +32,6 @@ from server.wire.types import (
     densify_csr,
 )
 
-MAX_DECOMPRESSED_BYTES = 1 << 30
-"""A zstd body that inflates past this is refused (a decompression bomb)."""
 MAX_ABS_VALUE = 1e6
 """Loss inputs (weights, advantages, sampler logprobs, clip thresholds) and loss_fn_config numbers
 beyond this magnitude are refused: no sensible loss needs them, and they poison a run for good."""
@@ -61,7 +60,7 @@ def decode_forward_backward_request(
     body: bytes,
     content_encoding: str | None,
     *,
-    max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES,
+    max_decompressed_bytes: int = LimitsConfig.max_decompressed_bytes,
 ) -> ForwardBackwardRequest:
     """Decode a `POST /api/v1/forward_backward` body into a ForwardBackwardRequest.
 
@@ -97,13 +96,14 @@ def decode_forward_backward_request(
     )
 
 
-def read_forward_backward_slot(body: bytes, content_encoding: str | None) -> tuple[str, int, bool] | None:
+def read_forward_backward_slot(body: bytes, content_encoding: str | None,
+                               max_decompressed_bytes: int) -> tuple[str, int, bool] | None:
     """(model_id, seq_id, forward_only) of a forward_backward body, or None where they cannot be read.
 
     For refused requests: a body whose datums are malformed may still name its place in the run.
     """
     try:
-        message = _parse_forward_backward(body, content_encoding, MAX_DECOMPRESSED_BYTES)
+        message = _parse_forward_backward(body, content_encoding, max_decompressed_bytes)
     except InvalidRequest:
         return None
     if not message.model_id or message.seq_id < 1:
@@ -112,7 +112,7 @@ def read_forward_backward_slot(body: bytes, content_encoding: str | None) -> tup
 
 
 def inflate_forward_backward_body(body: bytes, content_encoding: str | None,
-                                  max_decompressed_bytes: int = MAX_DECOMPRESSED_BYTES) -> bytes:
+                                  max_decompressed_bytes: int) -> bytes:
     """The protobuf bytes of a forward_backward body, whatever its Content-Encoding (zstd or none)."""
     encoding = (content_encoding or "identity").strip().lower()
     if encoding == "zstd":
@@ -351,22 +351,25 @@ TopkRows = list[list[tuple[int, float]] | None]
 """Per position: up to k (token_id, logprob) pairs, best first, or None where nothing was scored."""
 
 
-@dataclass(frozen=True)
-class SampledSequenceOut:
-    """One generated sequence, as the sampler hands it to the codec."""
+@dataclass
+class SampledSequence:
+    """One completion: what both sampling engines produce and what the codec sends."""
 
     tokens: list[int]
     logprobs: list[float] | None
+    """Logprob of each token under the model's distribution (no temperature, top-k or top-p), with
+    media placeholders at zero probability (server/models/logprobs.py); None sends none."""
     stop_reason: Literal["stop", "length"]
+    """"stop" (stop token or stop string) or "length" (max_tokens reached)."""
     topk_logprobs: TopkRows | None = None
-    """Per token, its position's k best (topk_sample_logprobs)."""
+    """Per token, its position's k best (token, logprob) of the same distribution (topk_sample_logprobs)."""
 
 
 _STOP_REASONS = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 
 def encode_sample_response(
-    sequences: list[SampledSequenceOut],
+    sequences: list[SampledSequence],
     prompt_logprobs: list[float | None] | None = None,
     topk_prompt_logprobs: TopkRows | None = None,
     target_prompt_logprobs: tuple[np.ndarray, TensorData] | None = None,

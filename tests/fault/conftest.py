@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from support.fault import GAP_SECONDS
 from support.live_server import LiveServer, start_server
-
-GAP_SECONDS = 2
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ import zstandard
 from PIL import Image
 
 from benchmarks.process_memory import process_tree, rss_mib
-from conftest import GAP_SECONDS
 from server.wire import tinker_public_pb2 as pb
+from support.fault import GAP_SECONDS
 from support.live_server import BASE_MODEL, LiveServer
 from support.raw_run import RawRun
 

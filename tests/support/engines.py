@@ -7,8 +7,10 @@ from pathlib import Path
 import torch
 
 from server.config import ModelConfig
+from server.lora.layers import LoraAdapter, LoraTarget, select_targets
 from server.sampling.embedded import EmbeddedEngine, EngineModel, load_engine_model
-from server.training.lora import LoraAdapter, LoraTarget, select_targets
+
+REFUSED_TOKEN_IDS = frozenset({769, 770})  # the tiny models' <|image_pad|> and <|video_pad|>
 
 
 def logged_engine(base_model: str, models_dir: Path, log: Callable[[EngineModel, dict], None],

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from server.config import (DEFAULT_VLLM_PYTHON, REPO_ROOT, ModelConfig, build_adapters_arg_parser, build_arg_parser,
-                           build_export_arg_parser, build_keys_arg_parser, parse_config, parse_keys_command)
+from server.config import (DEFAULT_VLLM_PYTHON, REPO_ROOT, ClientFlagsConfig, ImageConfig, LimitsConfig, ModelConfig,
+                           SamplerConfig, ServerConfig, StoreConfig, TrainerConfig, VLLMConfig, build_adapters_arg_parser,
+                           build_arg_parser, build_export_arg_parser, build_keys_arg_parser, parse_config,
+                           parse_keys_command)
 from server.keys import run_keys_command
 from server.sampling.vllm_process import ServedModel, vllm_command
 
@@ -24,12 +26,12 @@ CLI_OPTIONS = {
     "--database-url",
     "--device",
     "--dtype",
-    "--fwdbwd-chunk-len",
+    "--fwdbwd-max-chunk-len", "--fwdbwd-chunk-len",
     "--image-root",
-    "--image-cache-mb",
+    "--decoded-cache-mb", "--image-cache-mb",
     "--feature-cache-mb",
-    "--session-timeout",
-    "--checkpoint-sweep-interval",
+    "--session-timeout-seconds", "--session-timeout",
+    "--checkpoint-sweep-seconds", "--checkpoint-sweep-interval",
     "--auth",
     "--max-lora-rank",
     "--max-sample-tokens",
@@ -37,23 +39,23 @@ CLI_OPTIONS = {
     "--max-sampled-tokens-per-request",
     "--max-runs-per-tenant",
     "--max-stored-gb-per-tenant",
-    "--seq-gap-timeout",
+    "--seq-gap-timeout-seconds", "--seq-gap-timeout",
     "--max-datums-per-request",
-    "--header-timeout",
-    "--body-timeout",
+    "--header-timeout-seconds", "--header-timeout",
+    "--body-timeout-seconds", "--body-timeout",
     "--max-connections-per-client",
-    "--shutdown-timeout",
+    "--shutdown-timeout-seconds", "--shutdown-timeout",
     "--debug",
-    "--gpus",
+    "--local-ranks", "--gpus",
     "--activation-checkpointing",
-    "--microbatch-tokens",
+    "--max-tokens-per-microbatch", "--microbatch-tokens",
     "--max-tokens-per-pass",
     "--max-runs-per-pass",
     "--compile",
-    "--sampler",
+    "--sampler-engine", "--sampler",
     "--max-images-per-prompt",
     "--sampler-max-batch-tokens",
-    "--sampler-process",
+    "--sampler-own-process", "--sampler-process",
     "--prefix-cache-gb",
     "--vllm-python",
     "--vllm-url",
@@ -61,7 +63,7 @@ CLI_OPTIONS = {
     "--vllm-max-loras",
     "--vllm-max-lora-rank",
     "--vllm-max-cpu-loras",
-    "--vllm-args",
+    "--vllm-extra-args", "--vllm-args",
 }
 KEYS_CLI_OPTIONS = {
     "create": {"-h", "--help", "--tenant", "--admin", "--label", "--new-database", "--data-dir", "--database-url"},
@@ -79,6 +81,26 @@ DATABASE_URL_ENV = "TINKER_SERVER_DATABASE_URL"
 def test_the_cli_has_exactly_the_frozen_set_of_options():
     for parser, frozen in ((build_arg_parser(), CLI_OPTIONS), (build_export_arg_parser(), EXPORT_CLI_OPTIONS)):
         assert {option for action in parser._actions for option in action.option_strings} == frozen
+
+
+def test_every_flag_is_named_after_the_setting_it_fills():
+    """A flag is its setting's name (with its section in front for sampler and vLLM settings, and MiB or GiB
+    in the name where the setting counts bytes); an earlier spelling may follow it as an alias."""
+    sections = {"sampler_": [SamplerConfig], "vllm_": [VLLMConfig]}
+    everywhere = [ServerConfig, ModelConfig, StoreConfig, TrainerConfig, SamplerConfig, LimitsConfig, ImageConfig,
+                  ClientFlagsConfig]
+    unnamed = []
+    for action in build_arg_parser()._actions:
+        if action.dest == "help":
+            continue
+        assert action.option_strings[0] == "--" + action.dest.replace("_", "-")
+        name = action.dest.replace("_mb", "_bytes").replace("_gb", "_bytes")
+        prefix = next((prefix for prefix in sections if name.startswith(prefix)), None)
+        classes = sections[prefix] if prefix else everywhere
+        name = name.removeprefix(prefix) if prefix else name
+        if not any(name in {f.name for f in dataclasses.fields(cls)} for cls in classes):
+            unnamed.append(action.option_strings[0])
+    assert unnamed == []
 
 
 def test_the_keys_and_adapters_clis_have_exactly_the_frozen_commands_and_options():
@@ -108,7 +130,7 @@ def test_limits_and_lifecycle_flags_reach_the_config():
     assert (config.auth, config.shutdown_timeout_seconds) == ("keys", 9)
     assert (limits.max_datums_per_request, limits.header_timeout_seconds, limits.body_timeout_seconds,
             limits.max_connections_per_client) == (64, 2, 3, 5)
-    with pytest.raises(ValueError, match="--fwdbwd-chunk-len 128 is over --max-datums-per-request 64"):
+    with pytest.raises(ValueError, match="--fwdbwd-max-chunk-len 128 is over --max-datums-per-request 64"):
         parse_config(["--base-model", "m", "--max-datums-per-request", "64", "--fwdbwd-chunk-len", "128"])
 
 

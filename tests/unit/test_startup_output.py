@@ -117,12 +117,11 @@ def test_a_start_up_refused_for_what_the_operator_gave_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("debug", [False, True])
-def test_with_debug_a_refused_start_up_keeps_its_traceback(monkeypatch, debug):
+def test_with_debug_a_refused_start_up_keeps_its_traceback(debug):
     def refuse(config, metrics):
         raise ValueError("no such model")
 
-    monkeypatch.setattr(app_module, "build_services", refuse)
-    app = app_module.create_app(parse_config(["--base-model", "m", *(["--debug"] if debug else [])]))
+    app = app_module.create_app(parse_config(["--base-model", "m", *(["--debug"] if debug else [])]), build=refuse)
     sent = []
 
     async def receive():

@@ -20,9 +20,9 @@ from server.rendering.images import ImagePreparer
 from server.sampling.types import AdapterRef, LogprobOptions, SampleOutput, SamplingOptions, SamplingRequest
 from server.sampling.vllm import VLLMEngine
 from server.sampling.vllm_process import ServedModel, VLLMProcess
+from support.engines import REFUSED_TOKEN_IDS
 
 VLLM_PYTHON = DEFAULT_VLLM_PYTHON
-REFUSED_TOKEN_IDS = frozenset({769, 770})  # the tiny models' <|image_pad|> and <|video_pad|>
 
 # Small engines: fp32 so that logprobs match HF to 1e-6, eager (a torch.compile start costs minutes
 # on 2 cores), 1 GiB of KV cache, no chunked prefill (on CPU, seeds would depend on the load).

@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
+from server.lora.checkpoint_io import load_checkpoint, save_peft_adapter
+from server.lora.layers import LoraAdapter, apply_lora_wrappers, select_targets, use_adapter
 from server.models.registry import family_for
-from server.training.checkpoint_io import load_checkpoint, save_peft_adapter
-from server.training.lora import LoraAdapter, apply_lora_wrappers, select_targets, use_adapter
 
 # Tensor shape suffixes: T = sequence positions, V = vocabulary.
 

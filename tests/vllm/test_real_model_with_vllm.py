@@ -7,7 +7,7 @@ are sampled by the embedded engine instead.
 """
 
 import pytest
-from conftest import VLLM_PYTHON
+from server.config import DEFAULT_VLLM_PYTHON as VLLM_PYTHON
 
 from server.models import smollm2
 from server.models.builtin import ensure_builtin_model

@@ -11,7 +11,7 @@ train_unembed=True, through the server's vLLM plugin). The module's server is th
 import numpy as np
 import pytest
 import tinker
-from conftest import VLLM_PYTHON
+from server.config import DEFAULT_VLLM_PYTHON as VLLM_PYTHON
 from tinker import types
 
 from support.engine_checks import (check_concurrent_runs_sample_with_their_own_adapters, check_image_limit,

@@ -6,7 +6,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import REFUSED_TOKEN_IDS
+from support.engines import REFUSED_TOKEN_IDS
 from hf_reference import write_adapter
 
 from server.config import VLLMConfig

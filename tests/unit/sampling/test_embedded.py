@@ -10,7 +10,7 @@ from server.models.registry import family_for
 from server.rendering.chunks import RenderedInput
 from server.sampling.embedded import EmbeddedEngine, EngineModel
 from server.sampling.types import LogprobOptions, PromptTargets, SampleOutput, SamplingOptions, SamplingRequest
-from server.training.lora import apply_lora_wrappers
+from server.lora.layers import apply_lora_wrappers
 
 # Tensor shape suffixes: T = prompt plus completion positions, V = vocabulary.
 

@@ -14,10 +14,10 @@ import torch
 
 from server.config import ImageConfig
 from server.errors import EngineUnavailable
+from server.lora.layers import LoraAdapter, LoraLinear, apply_lora_wrappers, use_adapter
 from server.rendering.chunks import RenderedInput, render_model_input
 from server.sampling.embedded import EmbeddedEngine
 from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
-from server.training.lora import LoraAdapter, LoraLinear, apply_lora_wrappers, use_adapter
 from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
 
 from support.engines import adapter, logged_engine

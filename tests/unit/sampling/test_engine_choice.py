@@ -15,5 +15,5 @@ from server.sampling.engine import build_sampling_engine
 def test_a_hybrid_model_is_refused_on_vllm_on_a_cpu_with_what_to_use_instead(tmp_path, model_type):
     base = SimpleNamespace(family=family_for(model_type))  # refused before anything of the model is read
     model = ModelConfig(base_model="Qwen/Qwen3.5-4B", model_path=None, model_cache_dir=tmp_path, device="cpu")
-    with pytest.raises(ValueError, match=f"cannot serve {model_type}.*--sampler embedded on CPU"):
+    with pytest.raises(ValueError, match=f"cannot serve {model_type}.*--sampler-engine embedded on CPU"):
         build_sampling_engine(SamplerConfig(engine="vllm", vllm=VLLMConfig(python=tmp_path / "python")), model, 0, base, tmp_path)

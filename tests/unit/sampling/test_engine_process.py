@@ -10,11 +10,11 @@ import pytest
 
 from server.config import ModelConfig, SamplerConfig
 from server.errors import EngineUnavailable
+from server.lora.layers import apply_lora_wrappers
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedEngine
 from server.sampling.engine_process import EngineProcess
 from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
-from server.training.lora import apply_lora_wrappers
 from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
 
 from support.engines import adapter

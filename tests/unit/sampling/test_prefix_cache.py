@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from server.config import ImageConfig
+from server.lora.layers import apply_lora_wrappers
 from server.rendering.chunks import RenderedInput, render_model_input
 from server.sampling.embedded import EmbeddedEngine
 from server.sampling.prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys, content_ids
 from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
-from server.training.lora import apply_lora_wrappers
 from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
 
 from support.engines import adapter, logged_engine

@@ -6,9 +6,9 @@ import torch
 
 from server.config import SamplerConfig
 from server.errors import InvalidRequest, NotFound
+from server.lora.checkpoint_io import save_peft_adapter
+from server.lora.layers import LoraAdapter, LoraTarget
 from server.sampling.adapters import SamplerAdapters
-from server.training.checkpoint_io import save_peft_adapter
-from server.training.lora import LoraAdapter, LoraTarget
 
 TARGETS = [LoraTarget("model.layers.0.self_attn.q_proj", "attn", 8, 8)]
 

@@ -8,6 +8,7 @@ import asyncio
 import sqlite3
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import pytest
@@ -16,7 +17,8 @@ import torch
 
 from server.errors import Conflict, InvalidRequest, NotFound, ShuttingDown
 from server.rendering.training import TrainingExample
-from server.scheduler.passes import share_pass
+from server.scheduler.passes import plan_cycle, share_pass
+from server.scheduler.requests import TrainingRequest
 from server.scheduler.scheduler import Scheduler
 from server.store.store import Store, TrainingRunRecord
 from server.training.operations import ForwardBackward, SaveState, Unload
@@ -282,7 +284,7 @@ def test_an_outcome_the_journal_cannot_take_is_answered_from_memory_and_journale
         answered = await scheduler.retrieve(request_id, timeout=10, owner="o")
         pending_in_journal = store.get_future(request_id).status
         monkeypatch.setattr(store, "complete_future", original)
-        await asyncio.to_thread(scheduler._flush_unjournaled)
+        await asyncio.to_thread(scheduler.futures.flush_unjournaled)
         scheduler.close()
         return answered, pending_in_journal, store.get_future(request_id)
 
@@ -336,6 +338,23 @@ def forward_backward(model_id: str, lengths: list[int], forward_only: bool = Fal
     examples = [TrainingExample(input_ids=[1] * length, loss_fn_inputs={"target_tokens": torch.zeros(length)})
                 for length in lengths]
     return ForwardBackward(model_id, examples, "cross_entropy", None, forward_only)
+
+
+def test_a_cycle_is_planned_without_taking_anything_off_the_queues():
+    def ready(model_id, *operations):
+        return deque(TrainingRequest(f"{model_id}-{i}", "X", model_id, op, respond_with_name)
+                     for i, op in enumerate(operations))
+
+    queues = {"a": ready("a", Step("a", "optim"), forward_backward("a", [8])),
+              "b": ready("b", forward_backward("b", [8, 8]), forward_backward("b", [8], forward_only=True)),
+              "c": ready("c", forward_backward("c", [8]))}
+    before = {model_id: list(lane) for model_id, lane in queues.items()}
+    cycle = plan_cycle(queues, {"b": 3, "c": 2}, pass_tokens=16, pass_runs=None)
+    assert [request.request_id for request in cycle.alone] == ["a-0"]
+    # c was served longer ago than b; b's forward-only request does not join a forward_backward pass.
+    assert [(share.request.request_id, share.num_datums) for share in cycle.passing] == [("c-0", 1), ("b-0", 1)]
+    assert cycle.served == ["c", "b"]
+    assert {model_id: list(lane) for model_id, lane in queues.items()} == before
 
 
 def respond_with_outputs(result):

@@ -24,14 +24,14 @@ from transformers import AutoModelForCausalLM
 
 from server.config import ModelConfig, TrainerConfig
 from server.errors import InvalidRequest
-from server.models.loading import LoadedModel, load_base_model
+from server.lora import checkpoint_io
+from server.lora.layers import AdapterSlot, LoraAdapter, apply_lora_wrappers, use_adapter
 from server.models.builtin import ensure_builtin_model
+from server.models.loading import LoadedModel, load_base_model
 from server.rendering.provenance import RECORDED_LOGPROBS, SAMPLED_MASK
 from server.rendering.training import TrainingExample
-from server.training import checkpoint_io
-from server.training.lora import AdapterSlot, LoraAdapter, apply_lora_wrappers, use_adapter
-from server.training.parallel import free_port, init_training_group
 from server.training.operations import ForwardBackward
+from server.training.parallel import free_port, init_training_group
 from server.training.trainer import Trainer
 from server.wire.types import AdamParams, LoraConfig
 

@@ -14,7 +14,7 @@ from tinker.lib.public_interfaces.sampling_client import _tensor_data_to_model a
 from server.errors import InvalidRequest, PayloadTooLarge
 from server.wire import tinker_public_pb2 as pb
 from server.wire.proto import (
-    SampledSequenceOut,
+    SampledSequence,
     decode_forward_backward_request,
     encode_forward_backward_output,
     encode_sample_response,
@@ -343,8 +343,8 @@ def test_empty_outputs_give_an_empty_list_in_the_sdk():
 
 def test_sample_response_decodes_in_the_sdk():
     sequences = [
-        SampledSequenceOut(tokens=[11, 12, 13], logprobs=[-0.1, -0.2, -0.3], stop_reason="stop"),
-        SampledSequenceOut(tokens=[14], logprobs=None, stop_reason="length"),
+        SampledSequence(tokens=[11, 12, 13], logprobs=[-0.1, -0.2, -0.3], stop_reason="stop"),
+        SampledSequence(tokens=[14], logprobs=None, stop_reason="length"),
     ]
     body = encode_sample_response(sequences, prompt_logprobs=[None, -1.25, -2.5], prompt_cache_hit_tokens=2)
     result = response_conv.deserialize_sample_response(body)
@@ -359,13 +359,13 @@ def test_sample_response_decodes_in_the_sdk():
 
 
 def test_sample_response_without_prompt_logprobs_reads_as_none():
-    body = encode_sample_response([SampledSequenceOut(tokens=[1], logprobs=[-0.5], stop_reason="length")])
+    body = encode_sample_response([SampledSequence(tokens=[1], logprobs=[-0.5], stop_reason="length")])
     assert response_conv.deserialize_sample_response(body).prompt_logprobs is None
 
 
 def test_topk_rows_are_padded_with_sentinels_the_sdk_strips():
     prompt_topk = [None, [(5, -0.1), (6, -2.0)], [(7, -0.3)]]
-    sequences = [SampledSequenceOut(tokens=[9, 3], logprobs=[-0.01, -1.0], stop_reason="stop")]
+    sequences = [SampledSequence(tokens=[9, 3], logprobs=[-0.01, -1.0], stop_reason="stop")]
     body = encode_sample_response(sequences, [None, -0.1, -0.3], prompt_topk)
     message = pb.SampleResponse.FromString(body)
     assert (message.topk_prompt_logprobs.k, message.topk_prompt_logprobs.length) == (2, 3)
@@ -379,13 +379,13 @@ def test_topk_rows_are_padded_with_sentinels_the_sdk_strips():
 
 def test_topk_with_every_row_empty_still_reads_as_requested():
     body = encode_sample_response(
-        [SampledSequenceOut(tokens=[1], logprobs=[-1.0], stop_reason="stop")], [None], [None]
+        [SampledSequence(tokens=[1], logprobs=[-1.0], stop_reason="stop")], [None], [None]
     )
     assert response_conv.deserialize_sample_response(body).topk_prompt_logprobs == [None]
 
 
 def test_sampled_top_k_target_logprobs_and_alt_tokens_decode_in_the_sdk_in_the_requests_layout():
-    sequences = [SampledSequenceOut(tokens=[9, 3], logprobs=[-0.5, -1.0], stop_reason="stop",
+    sequences = [SampledSequence(tokens=[9, 3], logprobs=[-0.5, -1.0], stop_reason="stop",
                                     topk_logprobs=[[(9, -0.5), (4, -0.75)], [(2, -0.25)]])]
     ids = torch.full((4, 3), -1)
     ids[0, 0], ids[3, 2] = 5, 9

@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from server.errors import InvalidRequest
-from server.training.lora import LoraAdapter, LoraTarget, all_finite
+from server.lora.layers import LoraAdapter, LoraTarget, all_finite
 from server.wire.types import LoraConfig
 
 _PREFIX = "base_model.model."

@@ -1,28 +1,12 @@
 """LoRA adapters that many training runs share on one frozen base model.
 
-The base model's target linear layers are wrapped once (`apply_lora_wrappers`). What the wrappers
-add is set for the duration of a forward (and its backward) by the one thread that owns that model
-copy, through the model's `AdapterSlot`: `use_adapter` puts one adapter in place for every row,
-`use_adapter_rows` gives each row of the batch its own adapter (an `AdapterStack`: per layer, the
-ranks of all the adapters side by side, each row scaled by its own adapter's scale on its columns
-and by 0 on the others', so the delta is two dense matmuls whatever the mix, and no weight is
-copied per row). Nothing outlives the `with` block, and nothing one model copy's owner sets is
-visible to another copy. The tensors belong to the model, not to a thread, so activation
-checkpointing may recompute a layer on autograd's own thread. Both paths are autograd-safe: the
-gradient of each adapter lands in its own tensors.
-
-Adapters are plain fp32 tensors keyed by module name, saved in the standard PEFT layout; their
-delta is computed in the activations' dtype (bf16 on GPUs), with fp32 master weights.
+The base model's target linear layers are wrapped once (`apply_lora_wrappers`); what they add is set for
+one forward (and its backward) through the model's `AdapterSlot`: one adapter for every row
+(`use_adapter`) or one per row (`use_adapter_rows`, an `AdapterStack`). Adapters are fp32 tensors keyed
+by module name, in the standard PEFT layout. Knows nothing about runs, optimizers or files.
 
 Shapes: lora_A is [rank, in_features], lora_B is [out_features, rank]. In an AdapterStack, J = the
 ranks of the adapters that adapt a layer, summed; B = rows of the batch, N = positions.
-
-The layers of a block that read the same input (q, k and v; gate and up) get their rank-wide
-intermediates from one product with it (`SharedInput`): the input is read once, not once per layer.
-
-A stack costs a few operations per layer, not a few per adapter and layer: in eager mode on a GPU
-every operation is a launch (and a node of the backward), and a pass over 8 runs of a 36-layer
-model would otherwise spend more time launching the stack than computing it.
 """
 
 import math
@@ -34,9 +18,9 @@ import torch
 from torch import nn
 
 from server.errors import InvalidRequest
+from server.lora.experts import ExpertProjection, LoraExperts, is_routed_experts
+from server.lora.settings import AdapterSettings
 from server.models.registry import ModelFamily
-from server.training.adapter_settings import AdapterSettings
-from server.training.lora_experts import ExpertProjection, LoraExperts, is_routed_experts
 
 
 @dataclass(frozen=True)
@@ -48,11 +32,18 @@ class LoraTarget:
     in_features: int
     out_features: int
     experts: int = 0
-    """For a MoE layer's fused routed experts (lora_experts.py): how many; A and B hold that many ranks."""
+    """For a MoE layer's fused routed experts (experts.py): how many; A and B hold that many ranks."""
 
 
 class AdapterSlot:
-    """The LoRA layers of one model copy; what they add is set by `use_adapter` / `use_adapter_rows`."""
+    """The LoRA layers of one model copy; what they add is set by `use_adapter` / `use_adapter_rows`.
+
+    Set by the one thread that owns the model copy, for the duration of a `with` block: nothing outlives
+    it, and nothing one copy's owner sets is visible to another copy. The tensors belong to the model,
+    not to a thread, so activation checkpointing may recompute a layer on autograd's own thread. Both
+    paths are autograd-safe: each adapter's gradient lands in its own tensors. The delta is computed in
+    the activations' dtype (bf16 on GPUs), with fp32 master weights.
+    """
 
     def __init__(self):
         self.layers: list[LoraLinear | ExpertProjection] = []
@@ -246,6 +237,10 @@ class AdapterStack:
     Built with differentiable ops from the adapters' own tensors (one concatenation and one cast per
     tensor), so under autograd each adapter's gradient lands in its own lora_A / lora_B. Layers that
     the same adapters adapt share one column layout, whose row scales are computed once per forward.
+
+    A stack costs a few operations per layer, not a few per adapter and layer: in eager mode on a GPU
+    every operation is a launch (and a node of the backward), and a pass over 8 runs of a 36-layer
+    model would otherwise spend more time launching the stack than computing it.
     """
 
     def __init__(self, slot: AdapterSlot, adapters: Sequence["LoraAdapter | None"], dtype: torch.dtype):

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from server.errors import InvalidRequest
-from server.training.lora import LoraAdapter
-from server.training.lora_experts import peft_target_parameters
+from server.lora.experts import peft_target_parameters
+from server.lora.layers import LoraAdapter
 from server.wire.types import LoraConfig
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

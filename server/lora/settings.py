@@ -1,4 +1,4 @@
-"""What `use_adapter` / `use_adapter_rows` (training/lora.py) put on a LoRA layer for one forward.
+"""What `use_adapter` / `use_adapter_rows` (lora/layers.py) put on a LoRA layer for one forward.
 
 Shared by the layers that compute a LoRA delta (LoraLinear, a MoE's ExpertProjection), so that the adapter
 machinery sets and clears them alike.

@@ -11,10 +11,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from server.config import ModelConfig
+from server.lora.checkpoint_io import save_peft_adapter
+from server.lora.layers import (AdapterStack, LoraAdapter, SharedInput, apply_lora_wrappers, select_targets,
+                                use_adapter, use_adapter_rows)
 from server.models.loading import load_base_model
-from server.training.checkpoint_io import save_peft_adapter
-from server.training.lora import (AdapterStack, LoraAdapter, SharedInput, apply_lora_wrappers, select_targets,
-                                  use_adapter, use_adapter_rows)
 
 BASE_MODEL = "builtin:tiny-qwen3"
 

@@ -1,15 +1,8 @@
 """LoRA on a mixture-of-experts block's routed experts: per-expert A and B inside the expert computation.
 
 transformers keeps a MoE layer's routed experts as two fused tensors, gate_up_proj [E, 2I, H] and
-down_proj [E, H, I] (gate and up concatenated, each expert's weight as nn.Linear would hold it).
-`LoraExperts` replaces the experts module's forward with the same computation (tokens grouped by
-expert, gate and up, the activation, down, the router's weights, summed back per token) plus, for
-each expert, the delta of its own LoRA factors on both projections, for one adapter or one per row.
-
-An adapter stores each projection's factors in PEFT's layout for fused expert parameters (its
-`target_parameters`), which vLLM also reads: for the module path P of the experts,
-`P.base_layer` is gate_up_proj and `P` is down_proj, with A [E * r, in] (expert-major rows, expert e's
-A is rows e*r to e*r + r) and B [out, r * E] (column k*E + e is column k of expert e's B).
+down_proj [E, H, I]. `LoraExperts` replaces the experts module's forward with the same computation plus,
+for each expert, the delta of its own LoRA factors on both projections, for one adapter or one per row.
 
 Shapes: E experts, N tokens (rows x positions, flattened), K experts per token, T tokens routed to one
 expert, H hidden, I expert intermediate, J stacked LoRA columns, B rows of the batch.
@@ -18,10 +11,12 @@ expert, H hidden, I expert intermediate, J stacked LoRA columns, B rows of the b
 import torch
 from torch import nn
 
-from server.training.adapter_settings import AdapterSettings
+from server.lora.settings import AdapterSettings
 
-# The module path suffixes PEFT gives fused expert parameters: gate_up_proj's LoRA sits on the experts
-# module's "base_layer", down_proj's on the module itself.
+# An adapter stores each projection's factors in PEFT's layout for fused expert parameters (its
+# `target_parameters`), which vLLM also reads: for the module path P of the experts, `P.base_layer` is
+# gate_up_proj and `P` is down_proj, with A [E * r, in] (expert-major rows, expert e's A is rows e*r to
+# e*r + r) and B [out, r * E] (column k*E + e is column k of expert e's B).
 GATE_UP_SUFFIX = ".base_layer"
 
 

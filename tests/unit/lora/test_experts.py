@@ -14,10 +14,10 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from server.config import ModelConfig
-from server.models.loading import load_base_model
-from server.training.checkpoint_io import save_peft_adapter
-from server.training.lora import AdapterStack, LoraAdapter, apply_lora_wrappers, select_targets, use_adapter, \
+from server.lora.checkpoint_io import save_peft_adapter
+from server.lora.layers import AdapterStack, LoraAdapter, apply_lora_wrappers, select_targets, use_adapter, \
     use_adapter_rows
+from server.models.loading import load_base_model
 
 MOE_MODELS = ["builtin:tiny-qwen3.5-moe", "builtin:tiny-qwen3-vl-moe"]
 INPUT_IDS_BT = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19, 20, 21, 22]])
