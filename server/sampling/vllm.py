@@ -41,10 +41,10 @@ import httpx
 
 from server.errors import (Conflict, EngineUnavailable, InvalidRequest, NotFound, PayloadTooLarge,
                            TinkerServerError)
+from server.lora.checkpoint_io import load_checkpoint
 from server.sampling.types import AdapterRef, LogprobOptions, SampledSequence, SampleOutput, SamplingEngine, \
     SamplingOptions, SamplingRequest
 from server.sampling.vllm_process import VLLMEndpoint
-from server.lora.checkpoint_io import load_checkpoint
 
 logger = logging.getLogger(__name__)
 
