@@ -1,6 +1,6 @@
 """The sampler-trainer logprob gap on image-conditioned tokens against text tokens, per sampling engine.
 
-    python -m benchmarks.logprob_gap                     (CPU: builtin:tiny-qwen2-vl, float32; gaps ~1e-5)
+    python -m benchmarks.logprob_gap                     (CPU: builtin:tiny-qwen2-vl, float32: gaps ~1e-7)
     python -m benchmarks.logprob_gap --sampler embedded,vllm --num-prompts 4
     python -m benchmarks.logprob_gap --device cuda --dtype bfloat16 --base-model builtin:smollm2-135m-qwen2-vl \\
         --models-dir /tmp/models --json $OUT/logprob_gap.json
@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw
 from tinker import types
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +46,7 @@ from support.vision_sdk import ImagePrompts  # noqa: E402
 COLOURS = {"red": (200, 40, 40), "green": (40, 160, 60), "blue": (40, 70, 200), "yellow": (230, 200, 40),
            "purple": (130, 50, 160), "orange": (240, 140, 30), "black": (20, 20, 20), "white": (245, 245, 245)}
 SHAPES = ("circle", "square", "triangle")
+SEGMENTS = ("abcdef", "bc", "abged", "abgcd", "fgbc", "afgcd", "afgedc", "abc", "abcdefg", "abcdfg")  # seven-segment
 IMAGE_QUESTION = "Describe the picture: which shapes, which colours, and which number do you see?"
 TEXT_QUESTION = "Describe this picture in your own words: which shapes, which colours, and which number?"
 TRAIN_SEEDS = 10_000  # the adapter trains on scenes from here on, never on the measured ones
@@ -98,7 +99,12 @@ def scene(seed: int, size: int) -> tuple[Image.Image, str]:
                          outline=(0, 0, 0))
         described.append(f"{'an' if colour[0] in 'aeiou' else 'a'} {colour} {shape}")
     digit = int(rng.integers(10))
-    draw.text((size * 0.6, size * 0.55), str(digit), fill=(0, 0, 0), font=ImageFont.load_default(size=size // 3))
+    left, top_edge, width = size * 0.68, size * 0.55, size * 0.18  # drawn, not typeset: the same on every Pillow
+    ends = {"a": ((0, 0), (1, 0)), "b": ((1, 0), (1, 1)), "c": ((1, 1), (1, 2)), "d": ((0, 2), (1, 2)),
+            "e": ((0, 1), (0, 2)), "f": ((0, 0), (0, 1)), "g": ((0, 1), (1, 1))}
+    for segment in SEGMENTS[digit]:
+        draw.line([(left + x * width, top_edge + y * width) for x, y in ends[segment]], fill=(0, 0, 0),
+                  width=max(2, size // 40))
     return image, f"{', '.join(described)} and the number {digit}, on a pale {top} to {bottom} background"
 
 
