@@ -104,6 +104,15 @@ def _optimizer_tensors(optimizer: torch.optim.AdamW) -> list[torch.Tensor]:
     return tensors
 
 
+def _check_finite(loaded: checkpoint_io.LoadedCheckpoint) -> None:
+    """A checkpoint with non-finite weights or moments (written before optim_step refused to make them) is refused
+    before any rank loads it: such moments would make every later optim_step refuse."""
+    loaded.adapter.check_finite("the checkpoint's weights")
+    if loaded.optimizer_state is not None and not all_finite(list(loaded.optimizer_state.values())):
+        raise InvalidRequest("the checkpoint's optimizer state is not finite; load its weights without it "
+                             "(load_state) or a checkpoint saved before the run went bad")
+
+
 def _copy_of_optimizer(optimizer: torch.optim.AdamW) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     return [(parameter.detach().clone(), {k: v.clone() for k, v in optimizer.state.get(parameter, {}).items()})
             for group in optimizer.param_groups for parameter in group["params"]]
@@ -440,7 +449,7 @@ class Trainer:
         """Replace an existing run's weights (and optimizer moments) with a checkpoint's (on every rank)."""
         run = self.get(model_id)
         loaded = checkpoint_io.load_checkpoint(directory, self.device, with_optimizer)
-        loaded.adapter.check_finite("the checkpoint's weights")
+        _check_finite(loaded)
         if loaded.lora_config.rank != run.lora_config.rank or loaded.adapter.lora_A.keys() != run.adapter.lora_A.keys():
             raise InvalidRequest(f"checkpoint has rank {loaded.lora_config.rank} and other layers than run "
                                  f"{model_id} (rank {run.lora_config.rank})")
@@ -450,7 +459,7 @@ class Trainer:
     def create_model_from_checkpoint(self, model_id: str, directory, with_optimizer: bool) -> LoraConfig:
         """Start a run from a checkpoint (create-via-load, on every rank); returns the LoRA config it carried."""
         loaded = checkpoint_io.load_checkpoint(directory, self.device, with_optimizer)
-        loaded.adapter.check_finite("the checkpoint's weights")
+        _check_finite(loaded)
         self._lead(LoadState(model_id, directory, with_optimizer, create=True))
         self._install(model_id, loaded.lora_config, loaded)
         return loaded.lora_config

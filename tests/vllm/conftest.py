@@ -71,13 +71,13 @@ class Engine:
             logprobs=LogprobOptions(prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs)))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
     return {family: build_tiny_model(family, root / family) for family in ENGINE_CONFIGS}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_servers(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, VLLMProcess]]:
     """Every engine, started at once: a start is mostly single-threaded imports, so they overlap."""
     if not VLLM_PYTHON.exists():
@@ -104,17 +104,17 @@ def _engine(family: str, servers: dict[str, VLLMProcess], model_dirs: dict[str, 
     sampler.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def qwen2_vl(vllm_servers, model_dirs) -> Iterator[Engine]:
     yield from _engine("qwen2-vl", vllm_servers, model_dirs)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def qwen3_vl(vllm_servers, model_dirs) -> Iterator[Engine]:
     yield from _engine("qwen3-vl", vllm_servers, model_dirs)
 
 
-@pytest.fixture(scope="session", params=list(ENGINE_CONFIGS))
+@pytest.fixture(scope="package", params=list(ENGINE_CONFIGS))
 def engine(request: pytest.FixtureRequest) -> Engine:
     """Each engine in turn."""
     return request.getfixturevalue(request.param.replace("-", "_"))

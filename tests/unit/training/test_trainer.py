@@ -633,6 +633,12 @@ def test_a_step_that_would_make_the_weights_non_finite_is_rolled_back_and_such_w
     trainer.forward_backward(model_id, sft_batch(15, [6], trainer.base.vocab_size), "cross_entropy", None,
                              forward_only=False)
     trainer.optim_step(model_id, ADAM)
+    poisoned = trainer.copy_state(model_id, with_optimizer=True)
+    second_moment = next(key for key in poisoned.moments if key.endswith("exp_avg_sq"))
+    poisoned.moments[second_moment].view(-1)[0] = float("inf")
+    checkpoint_io.save_state(tmp_path / "moments", poisoned)
+    with pytest.raises(InvalidRequest, match="the checkpoint's optimizer state is not finite"):
+        trainer.load_state(model_id, tmp_path / "moments", with_optimizer=True)
     before = parameters(trainer, model_id)
     moments = [tensor.clone() for state in run.optimizer.state.values() for tensor in state.values()]
     trainer.forward_backward(model_id, sft_batch(16, [6], trainer.base.vocab_size), "cross_entropy", None,
