@@ -10,7 +10,7 @@
 #
 #   bash scripts/test.sh [PYTEST ARGS]            the whole suite
 #   bash scripts/test.sh --quick [PYTEST ARGS]    the quick tier: tests/unit on SQLite (no root, no vLLM,
-#                                                 no database server or browser), about a minute
+#                                                 no database server or browser), about two minutes
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The server, the test tools, the cookbook and its dependencies (requirements/cookbook.in says why apart).
