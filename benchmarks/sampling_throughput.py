@@ -41,7 +41,7 @@ from server.sampling.embedded import EmbeddedEngine
 from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
 from server.sampling.vllm import VLLMEngine
 from server.sampling.vllm_process import ServedModel, VLLMProcess
-from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
+from server.wire.model_input import EncodedTextChunk, ImageChunk, ModelInput
 
 WORDS = "the red square is left of a small blue circle and the picture shows one two three big shapes".split()
 RANK = 32  # Tinker's default LoraConfig: rank 32, train_attn, train_mlp and train_unembed all on

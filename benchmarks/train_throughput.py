@@ -57,7 +57,9 @@ from server.rendering.training import render_training_datum  # noqa: E402
 from server.training.parallel import free_port, init_training_group  # noqa: E402
 from server.training.trainer import build_trainer  # noqa: E402
 from server.training.workers import start_local_ranks  # noqa: E402
-from server.wire.types import AdamParams, Datum, EncodedTextChunk, ImageChunk, LoraConfig, ModelInput  # noqa: E402
+from server.wire.model_input import EncodedTextChunk, ImageChunk, ModelInput  # noqa: E402
+from server.wire.models import LoraConfig  # noqa: E402
+from server.wire.training import AdamParams, Datum  # noqa: E402
 
 # Qwen3-VL's M-RoPE for head_dim 128 (the sections sum to head_dim / 2; vLLM checks it, HF does not).
 QWEN3_VL_ROPE = dict(rope_type="default", rope_theta=5_000_000.0, mrope_section=[24, 20, 20], mrope_interleaved=True)

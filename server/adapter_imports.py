@@ -31,7 +31,7 @@ from server.models.registry import family_for
 from server.store.checkpoints import TinkerPath, sync_directory_tree, validate_checkpoint_name
 from server.store.db import has_server_database
 from server.store.store import CheckpointRecord, Store, TrainingRunRecord, utcnow
-from server.wire.types import LoraConfig
+from server.wire.models import LoraConfig
 
 
 @dataclass(frozen=True)

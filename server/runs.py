@@ -10,7 +10,8 @@ import logging
 from server.config import LimitsConfig
 from server.errors import InvalidRequest
 from server.store.store import SamplingSessionRecord, Store, TrainingRunRecord
-from server.wire.types import MAX_ID_LENGTH, LoraConfig
+from server.wire.base import MAX_ID_LENGTH
+from server.wire.models import LoraConfig
 
 logger = logging.getLogger(__name__)
 

@@ -45,8 +45,9 @@ from server.store.store import SamplingSessionRecord, SessionRecord, Store, Trai
 from server.training.operations import Operation
 from server.training.trainer import Trainer
 from server.wire import JSON
+from server.wire.base import MAX_SEQ_ID
+from server.wire.models import OptimizerConfig
 from server.wire.proto import read_forward_backward_slot
-from server.wire.types import MAX_SEQ_ID, OptimizerConfig
 
 logger = logging.getLogger(__name__)
 

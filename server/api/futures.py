@@ -5,7 +5,7 @@ from fastapi.responses import JSONResponse, Response
 
 from server.api.deps import read_body, services_of, tenant_of
 from server.scheduler.sampling import is_sampling_request_id
-from server.wire.types import FutureRetrieveRequest, RequestFailedResponse, TryAgainResponse
+from server.wire.futures import FutureRetrieveRequest, RequestFailedResponse, TryAgainResponse
 
 # Every sample request is polled here: the route authenticates and reads its body itself (see tenant_of).
 hot_router = APIRouter(prefix="/api/v1")

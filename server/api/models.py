@@ -9,18 +9,9 @@ from server.api.deps import (OwnerDep, ServicesDep, TrainingSubmission, check_ba
 from server.runs import check_lora_rank, check_run_quota, check_storage_quota, training_run_record
 from server.scheduler.ordering import CREATION_SEQ_ID
 from server.training.operations import CreateModel
-from server.wire.types import (
-    CreateModelRequest,
-    CreateModelResponse,
-    GetInfoRequest,
-    GetInfoResponse,
-    GetServerCapabilitiesResponse,
-    ModelData,
-    OptimizerConfig,
-    ServerLimits,
-    SupportedModel,
-    UntypedAPIFuture,
-)
+from server.wire.futures import UntypedAPIFuture
+from server.wire.models import (CreateModelRequest, CreateModelResponse, GetInfoRequest, GetInfoResponse,
+                                GetServerCapabilitiesResponse, ModelData, OptimizerConfig, ServerLimits, SupportedModel)
 
 router = APIRouter(prefix="/api/v1")
 

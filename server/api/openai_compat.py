@@ -31,7 +31,7 @@ from server.scheduler.outcomes import Outcome
 from server.store.checkpoints import SCHEME
 from server.wire.openai import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingFields,
                                 Usage)
-from server.wire.types import SamplingParams
+from server.wire.sampling import SamplingParams
 
 router = APIRouter(prefix="/oai/api/v1")
 EVENT_STREAM = "text/event-stream"

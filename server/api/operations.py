@@ -9,7 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.api.deps import ServicesDep, require_admin
 from server.store.db import has_no_room, sqlite_journal_file
-from server.wire.types import HealthResponse
+from server.wire.sessions import HealthResponse
 
 _SWAGGER_JS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"
 _SWAGGER_CSS = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"

@@ -6,7 +6,8 @@ from fastapi import APIRouter, Query
 
 from server.api.deps import OwnerDep, Services, ServicesDep, run_of
 from server.store.store import CheckpointRecord, TrainingRunRecord
-from server.wire.types import MAX_INT32, Checkpoint, CheckpointsListResponse, Cursor, TrainingRun, TrainingRunsResponse
+from server.wire.base import MAX_INT32
+from server.wire.rest import Checkpoint, CheckpointsListResponse, Cursor, TrainingRun, TrainingRunsResponse
 
 router = APIRouter(prefix="/api/v1")
 

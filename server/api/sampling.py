@@ -28,15 +28,11 @@ from server.rendering.chunks import RenderedInput
 from server.runs import ensure_sampling_session
 from server.sampling.types import LogprobOptions, PromptTargets, SampleOutput, SamplingRequest
 from server.wire import PROTOBUF
+from server.wire.futures import UntypedAPIFuture
+from server.wire.model_input import TensorData
 from server.wire.proto import encode_sample_response
-from server.wire.types import (
-    CreateSamplingSessionRequest,
-    CreateSamplingSessionResponse,
-    GetSamplerResponse,
-    SampleRequest,
-    TensorData,
-    UntypedAPIFuture,
-)
+from server.wire.sampling import (CreateSamplingSessionRequest, CreateSamplingSessionResponse, GetSamplerResponse,
+                                  SampleRequest)
 
 router = APIRouter(prefix="/api/v1")
 # asample authenticates itself (see tenant_of): it is half of every sample request's HTTP calls.

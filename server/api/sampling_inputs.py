@@ -15,7 +15,7 @@ from server.sampling.engine import checkpoint_adapter_name
 from server.sampling.types import AdapterRef, SamplingOptions
 from server.store.checkpoints import parse_tinker_path
 from server.store.store import CheckpointRecord, SamplingSessionRecord
-from server.wire.types import SamplingParams
+from server.wire.sampling import SamplingParams
 
 
 def check_num_samples(services: Services, num_samples: int, field: str) -> None:

@@ -11,6 +11,7 @@ from server.api.deps import OwnerDep, Services, ServicesDep, session_of
 from server.errors import Conflict, Gone
 from server.runs import check_storage_quota, string_map
 from server.store.store import SessionQuery, SessionSearchHit
+from server.wire.base import MAX_INT32
 from server.wire.lifecycle import (
     AssignSessionProjectRequest,
     ClientFinishedStatusQuery,
@@ -24,20 +25,9 @@ from server.wire.lifecycle import (
     StatusQuery,
     UserSearchOwner,
 )
-from server.wire.types import (
-    MAX_INT32,
-    ClientConfigRequest,
-    ClientConfigResponse,
-    CreateSessionRequest,
-    CreateSessionResponse,
-    FinishSessionRequest,
-    GetSessionResponse,
-    ListSessionsResponse,
-    SessionHeartbeatRequest,
-    SessionHeartbeatResponse,
-    TelemetryBatch,
-    TelemetryResponse,
-)
+from server.wire.sessions import (ClientConfigRequest, ClientConfigResponse, CreateSessionRequest,
+                                  CreateSessionResponse, FinishSessionRequest, GetSessionResponse, ListSessionsResponse,
+                                  SessionHeartbeatRequest, SessionHeartbeatResponse, TelemetryBatch, TelemetryResponse)
 
 router = APIRouter(prefix="/api/v1")
 

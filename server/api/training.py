@@ -15,9 +15,10 @@ from server.training.curves import curve_metrics
 from server.training.losses import resolve_loss
 from server.training.operations import ForwardBackward, OptimStep
 from server.wire import PROTOBUF
+from server.wire.futures import UntypedAPIFuture
 from server.wire.proto import (decode_forward_backward_request, encode_forward_backward_output,
                                inflate_forward_backward_body)
-from server.wire.types import AdamParams, OptimStepRequest, OptimStepResponse, UntypedAPIFuture
+from server.wire.training import AdamParams, OptimStepRequest, OptimStepResponse
 
 router = APIRouter(prefix="/api/v1")
 

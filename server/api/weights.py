@@ -14,10 +14,11 @@ from server.runs import (check_run_quota, check_storage_quota, ensure_sampling_s
                          sampling_session_id_for, training_run_record)
 from server.scheduler.ordering import CREATION_SEQ_ID
 from server.training.operations import LoadState, SaveState, Snapshot
+from server.wire.futures import UntypedAPIFuture
 from server.wire.lifecycle import SaveWeightsExternalRequest, SaveWeightsExternalResponse
-from server.wire.types import (LoadWeightsRequest, LoadWeightsResponse, SaveWeightsForSamplerRequest,
-                               SaveWeightsForSamplerResponse, SaveWeightsRequest, SaveWeightsResponse,
-                               UntypedAPIFuture, WeightsInfoRequest, WeightsInfoResponse)
+from server.wire.weights import (LoadWeightsRequest, LoadWeightsResponse, SaveWeightsForSamplerRequest,
+                                 SaveWeightsForSamplerResponse, SaveWeightsRequest, SaveWeightsResponse,
+                                 WeightsInfoRequest, WeightsInfoResponse)
 
 router = APIRouter(prefix="/api/v1")
 

@@ -14,7 +14,7 @@ from server.store.checkpoints import TinkerPath, parse_tinker_path
 from server.store.store import CheckpointRecord, utcnow
 from server.wire import JSON
 from server.wire.lifecycle import CopyWeightsRequest, CopyWeightsResponse
-from server.wire.types import LoraConfig
+from server.wire.models import LoraConfig
 
 
 async def copy_checkpoint_once(checkpoints: Checkpoints, base_model: str, source: CheckpointRecord,

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from server.errors import InvalidRequest
 from server.lora.experts import peft_target_parameters
 from server.lora.layers import LoraAdapter
-from server.wire.types import LoraConfig
+from server.wire.models import LoraConfig
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -16,7 +16,7 @@ from safetensors.torch import load as load_safetensors
 
 from server.errors import InvalidRequest
 from server.lora.layers import LoraAdapter, LoraTarget, all_finite
-from server.wire.types import LoraConfig
+from server.wire.models import LoraConfig
 
 _PREFIX = "base_model.model."
 _PARTS = {"lora_A.weight": "lora_A", "lora_B.weight": "lora_B"}

@@ -15,8 +15,8 @@ from transformers import PreTrainedTokenizerBase
 
 from server.errors import InvalidRequest
 from server.rendering.chunks import RenderContext, RenderedInput, render_model_input
+from server.wire.model_input import EncodedTextChunk, ImageChunk, ModelInput
 from server.wire.openai import ChatMessage, ImagePart
-from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
 
 _DATA_URL = re.compile(r"data:image/(png|jpeg|jpg);base64,(.*)", re.DOTALL)
 

@@ -18,7 +18,7 @@ from server.models.image_processor import PreparedImage
 from server.models.loading import LoadedModel, LoadedVision
 from server.models.positions import Segment
 from server.rendering.images import ImagePreparer
-from server.wire.types import EncodedTextChunk, ImageAssetPointerChunk, ImageChunk, ModelInput
+from server.wire.model_input import EncodedTextChunk, ImageAssetPointerChunk, ImageChunk, ModelInput
 
 
 @dataclass(frozen=True)

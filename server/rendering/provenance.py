@@ -17,7 +17,7 @@ import torch
 from server.errors import InvalidRequest
 from server.models.image_processor import PreparedImage
 from server.rendering.training import TrainingExample
-from server.wire.types import Datum, ProvenanceSpan
+from server.wire.training import Datum, ProvenanceSpan
 
 RECORDED_LOGPROBS = "recorded_logprobs"
 """float32 [N]: the recorded sampler logprob at sampled target positions, 0 elsewhere (server-side input)."""

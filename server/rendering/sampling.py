@@ -8,7 +8,7 @@ never reach the image code. Knows nothing about engines, adapters or HTTP.
 """
 
 from server.rendering.chunks import RenderContext, RenderedInput, render_model_input
-from server.wire.types import ModelInput
+from server.wire.model_input import ModelInput
 
 
 class VLLMRenderer:

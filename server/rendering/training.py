@@ -14,7 +14,7 @@ import torch
 from server.errors import InvalidRequest
 from server.models.image_processor import PreparedImage
 from server.rendering.chunks import RenderContext, position_ids, render_model_input
-from server.wire.types import Datum
+from server.wire.training import Datum
 
 
 @dataclass

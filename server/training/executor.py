@@ -13,7 +13,7 @@ from server.training.losses import resolve_loss
 from server.training.operations import (CreateModel, ForwardBackward, LoadState, Operation, OptimStep, SaveState,
                                         Snapshot, Unload)
 from server.training.trainer import ForwardBackwardResult, Trainer
-from server.wire.types import LoraConfig
+from server.wire.models import LoraConfig
 
 Result = ForwardBackwardResult | dict[str, float] | AdapterState | LoraAdapter | LoraConfig | None
 """What each operation gives: forward_backward its outputs, optim_step its metrics, save_state the host

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from server.rendering.training import TrainingExample
-from server.wire.types import AdamParams, LoraConfig
+from server.wire.models import LoraConfig
+from server.wire.training import AdamParams
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from server.training.forward import TargetLogprobs
 from server.training.losses import DatumLoss, MicrobatchLoss, combine_metrics, resolve_loss
 from server.training.operations import CreateModel, ForwardBackward, LoadState, OptimStep, RankCommand, Unload
 from server.training.parallel import TrainingGroup, prepare_blocks
-from server.wire.types import AdamParams, LoraConfig
+from server.wire.models import LoraConfig
+from server.wire.training import AdamParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Tinker wire types of the checkpoint lifecycle and of session search (SDK 0.38 names and fields).
 
 External weights (save_weights_external, signed URLs), copy_weights, checkpoint TTLs, weights access
-tokens, session projects and `sessions/search`. Shapes only, as in `types.py`.
+tokens, session projects and `sessions/search`. Shapes only, as in `base.py`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Annotated, Literal, Union
 
 from pydantic import AwareDatetime, Base64Bytes, Field, model_validator
 
-from server.wire.types import (MAX_LIST_LENGTH, MAX_METADATA_KEYS, CheckpointName, Id, Int32, Name, SeqId, TtlSeconds,
-                               WireRequest, WireResponse)
+from server.wire.base import (MAX_LIST_LENGTH, MAX_METADATA_KEYS, Id, Int32, Name, SeqId, TtlSeconds, WireRequest,
+                              WireResponse)
+from server.wire.weights import CheckpointName
 
 # ---------------------------------------------------------------------------------------------
 # External weights, copies, TTLs and access tokens.

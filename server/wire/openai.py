@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from server.wire.types import MAX_INT32, Seed
+from server.wire.base import MAX_INT32, Seed
 
 MAX_TOP_LOGPROBS = 20
 """OpenAI's own limit on top_logprobs (chat) and logprobs (completions)."""

@@ -1,7 +1,7 @@
 """Protobuf codec for the binary half of the Tinker wire (schema: `tinker_public.proto`).
 
 Decodes `forward_backward` request bodies (optionally zstd-compressed) into the pydantic types of
-`types.py`, and encodes `ForwardBackwardOutput` and `SampleResponse` result payloads. All numeric
+`training.py`, and encodes `ForwardBackwardOutput` and `SampleResponse` result payloads. All numeric
 blobs are little-endian. It knows byte layouts only: nothing about models, losses or engines.
 """
 
@@ -20,17 +20,9 @@ from google.protobuf.message import DecodeError
 from server.config import LimitsConfig
 from server.errors import InvalidRequest, PayloadTooLarge
 from server.wire import tinker_public_pb2 as pb
-from server.wire.types import (
-    DMEL_NOT_SUPPORTED,
-    Datum,
-    EncodedTextChunk,
-    ForwardBackwardRequest,
-    ImageChunk,
-    ModelInput,
-    ProvenanceSpan,
-    TensorData,
-    densify_csr,
-)
+from server.wire.model_input import (DMEL_NOT_SUPPORTED, EncodedTextChunk, ImageChunk, ModelInput, TensorData,
+                                     densify_csr)
+from server.wire.training import Datum, ForwardBackwardRequest, ProvenanceSpan
 
 MAX_ABS_VALUE = 1e6
 """Loss inputs (weights, advantages, sampler logprobs, clip thresholds) and loss_fn_config numbers

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from server.wire import tinker_public_pb2 as pb
-from server.wire.types import MAX_METADATA_BYTES
+from server.wire.base import MAX_METADATA_BYTES
 from support.live_server import LiveServer, start_server
 from support.raw_run import RawRun
 

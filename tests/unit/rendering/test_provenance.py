@@ -18,8 +18,8 @@ from server.rendering.provenance import position_keys
 from server.rendering.sampling import VLLMRenderer
 from server.rendering.training import render_training_datum
 from server.store.sampled_sequences import SampledSequenceRecord
+from server.wire.model_input import ModelInput
 from server.wire.proto import decode_forward_backward_request
-from server.wire.types import ModelInput
 
 from support.vision import context_for, encode, noise_image
 

@@ -7,7 +7,8 @@ import torch
 from server.errors import InvalidRequest, PayloadTooLarge
 from server.rendering.chunks import RenderContext, position_ids, render_model_input
 from server.rendering.training import render_training_datum
-from server.wire.types import Datum, EncodedTextChunk, ImageAssetPointerChunk, ImageChunk, ModelInput
+from server.wire.model_input import EncodedTextChunk, ImageAssetPointerChunk, ImageChunk, ModelInput
+from server.wire.training import Datum
 
 from support.vision import context_for, encode, noise_image
 

@@ -18,7 +18,7 @@ from server.lora.layers import LoraAdapter, LoraLinear, apply_lora_wrappers, use
 from server.rendering.chunks import RenderedInput, render_model_input
 from server.sampling.embedded import EmbeddedEngine
 from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
-from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
+from server.wire.model_input import EncodedTextChunk, ImageChunk, ModelInput
 
 from support.engines import adapter, logged_engine
 from support.vision import context_for, encode, load, noise_image

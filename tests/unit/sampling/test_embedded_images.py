@@ -9,7 +9,7 @@ from server.config import ImageConfig, ModelConfig
 from server.rendering.chunks import render_model_input
 from server.sampling.embedded import EmbeddedEngine, load_engine_model
 from server.sampling.types import LogprobOptions, SamplingOptions, SamplingRequest
-from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
+from server.wire.model_input import EncodedTextChunk, ImageChunk, ModelInput
 
 from support.vision import context_for, encode, load, noise_image
 

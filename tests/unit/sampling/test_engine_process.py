@@ -15,7 +15,7 @@ from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedEngine
 from server.sampling.engine_process import EngineProcess
 from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
-from server.wire.types import EncodedTextChunk, ImageChunk, ModelInput
+from server.wire.model_input import EncodedTextChunk, ImageChunk, ModelInput
 
 from support.engines import adapter
 from support.vision import context_for, encode, load, noise_image

@@ -33,7 +33,8 @@ from server.rendering.training import TrainingExample
 from server.training.operations import ForwardBackward
 from server.training.parallel import free_port, init_training_group
 from server.training.trainer import Trainer
-from server.wire.types import AdamParams, LoraConfig
+from server.wire.models import LoraConfig
+from server.wire.training import AdamParams
 
 BASE_MODEL = "builtin:tiny-qwen3"
 RANK = 4

@@ -13,13 +13,14 @@ from tinker.lib.public_interfaces.sampling_client import _tensor_data_to_model a
 
 from server.errors import InvalidRequest, PayloadTooLarge
 from server.wire import tinker_public_pb2 as pb
+from server.wire.model_input import EncodedTextChunk, ImageChunk
 from server.wire.proto import (
     SampledSequence,
     decode_forward_backward_request,
     encode_forward_backward_output,
     encode_sample_response,
 )
-from server.wire.types import EncodedTextChunk, ImageChunk, SampleRequest
+from server.wire.sampling import SampleRequest
 
 PNG_BYTES = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 3
 
