@@ -8,7 +8,8 @@ import torch
 
 from server.config import ModelConfig
 from server.lora.layers import LoraAdapter, LoraTarget, select_targets
-from server.sampling.embedded import EmbeddedEngine, EngineModel, load_engine_model
+from server.sampling.embedded import EmbeddedEngine, load_engine_model
+from server.sampling.embedded_batch import EngineModel
 
 REFUSED_TOKEN_IDS = frozenset({769, 770})  # the tiny models' <|image_pad|> and <|video_pad|>
 

@@ -8,7 +8,8 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from server.models.registry import family_for
 from server.rendering.chunks import RenderedInput
-from server.sampling.embedded import EmbeddedEngine, EngineModel
+from server.sampling.embedded import EmbeddedEngine
+from server.sampling.embedded_batch import EngineModel
 from server.sampling.types import LogprobOptions, PromptTargets, SampleOutput, SamplingOptions, SamplingRequest
 from server.lora.layers import apply_lora_wrappers
 
