@@ -27,12 +27,11 @@ from server.errors import (Conflict, Forbidden, InvalidRequest, NotFound, Payloa
 from server.metrics import ServerMetrics
 from server.models.builtin import spellings
 from server.models.loading import LoadedModel
-from server.rendering.chunks import RenderContext, RenderedInput
-from server.rendering.provenance import position_keys
+from server.rendering.chunks import RenderContext
 from server.rendering.sampling import VLLMRenderer
 from server.runs import storable_id
 from server.sampling.adapters import SamplerAdapters
-from server.sampling.types import SampledSequence, SamplingEngine
+from server.sampling.types import SamplingEngine
 from server.scheduler.requests import Respond
 from server.scheduler.sampling import SamplingFutures
 from server.scheduler.scheduler import Scheduler
@@ -40,7 +39,6 @@ from server.store.api_keys import BOOTSTRAP_TENANT, KnownKeys, hash_api_key
 from server.store.exports import Signer
 from server.store.ownership import Ownership
 from server.store.retention import CheckpointPins
-from server.store.sampled_sequences import SampledSequenceRecord
 from server.store.store import SamplingSessionRecord, SessionRecord, Store, TrainingRunRecord
 from server.training.operations import Operation
 from server.training.trainer import Trainer
@@ -333,41 +331,3 @@ def check_loss_config(config: dict[str, float]) -> None:
 def json_result(response: BaseModel) -> tuple[bytes, str]:
     """A pydantic response as a future's stored result."""
     return response.model_dump_json().encode(), JSON
-
-
-# -- stable_reinforce: sequences recorded at sampling time, looked up at training time -----------------
-
-
-def record_sampled_sequences(services: Services, sampler: SamplingSessionRecord, prompt: RenderedInput,
-                             adapter: str | None, sequence_ids: list[str],
-                             sequences: list[SampledSequence]) -> None:
-    """Keep what a record_stability_info request sampled, per returned sequence, for its session.
-
-    Args:
-        adapter: the name of the adapter version that sampled them; None for the base model.
-    """
-    keys = position_keys(prompt.expanded_token_ids(), prompt.images, prompt.image_token_id)
-    services.store.sampled_sequences.record([
-        SampledSequenceRecord(sequence_id=sequence_id, owner=sampler.owner, session_id=sampler.session_id,
-                              sampling_session_id=sampler.sampling_session_id,
-                              adapter=adapter, prompt_keys=keys,
-                              tokens=sequence.tokens, logprobs=sequence.logprobs)
-        for sequence_id, sequence in zip(sequence_ids, sequences, strict=True)])
-
-
-def recorded_sequences_of(services: Services, sequence_ids: set[str], owner: str,
-                          session_id: str) -> dict[str, SampledSequenceRecord]:
-    """The recorded sequences a training request names, each given another day; a 400 names the first
-    one that is unknown (or another tenant's), expired, or sampled in another session."""
-    found = services.store.sampled_sequences.use(sequence_ids, owner)
-    for sequence_id in sorted(sequence_ids):
-        record = found.get(sequence_id)
-        if record is None:
-            raise InvalidRequest(f"sequence {sequence_id} is unknown or expired: sample it with "
-                                 f"record_stability_info=True; recorded sequences can be trained on for one day "
-                                 f"after sampling or their last use")
-        if record.session_id != session_id:
-            raise InvalidRequest(f"sequence {sequence_id} was sampled in session {record.session_id}, not in this "
-                                 f"run's session {session_id}: recorded sequences belong to the session that "
-                                 f"sampled them")
-    return found

@@ -15,7 +15,6 @@ from server.api.deps import (
     check_sampled_tokens,
     payload_hash,
     read_body,
-    record_sampled_sequences,
     sampler_of,
     services_of,
     session_of,
@@ -24,6 +23,7 @@ from server.api.deps import (
 from server.api.sampling_inputs import check_num_samples, pin_adapter, sampling_options
 from server.checkpoints.access import checkpoint_of
 from server.errors import InvalidRequest
+from server.recorded_sequences import record_sampled_sequences
 from server.rendering.chunks import RenderedInput
 from server.runs import ensure_sampling_session
 from server.sampling.types import LogprobOptions, PromptTargets, SampleOutput, SamplingRequest
@@ -131,7 +131,7 @@ async def asample(request: Request) -> UntypedAPIFuture:
             prompt_logprobs = prompt_logprobs and [None] * first + prompt_logprobs[first:]
             topk = topk and [None] * first + topk[first:]
         if sample.record_stability_info:
-            record_sampled_sequences(services, record, prompt, adapter and adapter.name, sequence_ids,
+            record_sampled_sequences(services.store, record, prompt, adapter and adapter.name, sequence_ids,
                                      output.sequences)
         target_logprobs = None
         if targets is not None:

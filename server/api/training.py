@@ -5,8 +5,9 @@ import asyncio
 from fastapi import APIRouter, Request
 
 from server.api.deps import (OwnerDep, ServicesDep, TrainingSubmission, check_loss_config, json_result, read_body,
-                             recorded_sequences_of, run_of, sequenced, submit_training_op)
+                             run_of, sequenced, submit_training_op)
 from server.errors import InvalidRequest
+from server.recorded_sequences import recorded_sequences_of
 from server.rendering.provenance import attach_recorded_samples, named_sequence_ids
 from server.rendering.training import render_training_datum
 from server.runs import touch_run
@@ -54,7 +55,7 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
         examples = [render_training_datum(datum, index, services.render_context, spec.inputs, spec.optional_inputs)
                     for index, datum in enumerate(fwdbwd.data)]
         if spec.needs_provenance:
-            recorded = recorded_sequences_of(services, named_sequence_ids(fwdbwd.data), owner, run.session_id)
+            recorded = recorded_sequences_of(services.store, named_sequence_ids(fwdbwd.data), owner, run.session_id)
             vision = services.render_context.vision
             for index, (datum, example) in enumerate(zip(fwdbwd.data, examples)):
                 attach_recorded_samples(example, datum, index, recorded, vision.image_token_id if vision else None)

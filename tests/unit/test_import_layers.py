@@ -15,7 +15,7 @@ LAYERS = [
     {"progress", "metrics", "wire", "store", "connections", "banner"},
     {"models", "keys", "runs"},
     {"rendering", "lora"},
-    {"training", "sampling"},
+    {"training", "sampling", "recorded_sequences"},
     {"scheduler", "checkpoints", "adapter_imports", "merged_export"},
     {"api"},
     {"app"},
