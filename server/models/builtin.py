@@ -1,11 +1,8 @@
 """The models a server serves as `builtin:<name>` (or, hub-style, `builtin/<name>`), and the cache they are
 built into on first use.
 
-Each name maps to a builder that writes a complete HF model directory offline: the random tiny
-members of each family (`tiny.py`) and SmolLM2-135M-Instruct, real weights converted from the
-package that ships them (`smollm2.py`). A built-in's tokenizer files are also put into the local hub
-cache as the model `builtin/<name>`, where the SDK's `get_tokenizer()` (which asks the hub for the
-model's name up to any ':') finds them offline. Knows nothing about what is inside a model directory.
+Each name maps to a builder that writes a complete HF model directory offline (`tiny.py`, `smollm2.py`).
+Knows nothing about what is inside a model directory.
 
     python -m server.models.builtin smollm2-135m-instruct --cache-dir data/models
 """
@@ -41,6 +38,8 @@ BUILTIN_MODELS: dict[str, Builder] = {
     smollm2.VISION_NAME: lambda out, cache: smollm2.build_vision_model(
         out, ensure_builtin_model(smollm2.TEXT_NAME, cache)),
 }
+"""The random tiny members of each family (`tiny.py`), and SmolLM2-135M-Instruct, real weights converted from
+the package that ships them, alone and as the language model of a Qwen2-VL-shaped one (`smollm2.py`)."""
 
 
 def builtin_name(model: str) -> str | None:
@@ -66,7 +65,8 @@ def served_name(model: str) -> str:
 def register_in_hub_cache(name: str, model_dir: Path) -> None:
     """Put the built-in's tokenizer files into the local hub cache as the model `builtin/<name>` (a snapshot
     named by their content, as the hub names one by its commit), so that `from_pretrained("builtin/<name>")`
-    loads them on this machine without a hub. Best effort: a cache that cannot be written is logged."""
+    loads them on this machine without a hub: the SDK's `get_tokenizer()` asks the hub for the model's name
+    up to any ':'. Best effort: a cache that cannot be written is logged."""
     from huggingface_hub.constants import HF_HUB_CACHE
 
     files = sorted(path for path in Path(model_dir).iterdir() if path.name in TOKENIZER_FILES)

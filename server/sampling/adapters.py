@@ -1,13 +1,7 @@
 """The adapters sampling sessions sample with: ephemeral snapshots and saved sampler checkpoints.
 
-Ephemeral snapshots (save_weights_and_get_sampling_client) live in memory, the newest few per
-training run, and, when the sampling engine loads adapters by path (vLLM), also on disk in a
-directory of their own. A snapshot session samples its own snapshot; an inflight session
-(kind="inflight") samples its run's newest inflight snapshot, so every inflight save moves all the
-run's inflight sessions forward, and never back. Saved adapters are loaded from their checkpoint
-directory on demand and kept in a bounded LRU, so an evicted one is simply reloaded. Shared by the
-training thread (which adds snapshots), the event loop (which pins them to requests) and the engine's
-adapter loader, hence the lock.
+Shared by the training thread (which adds snapshots), the event loop (which pins them to requests) and
+the engine's adapter loader, hence the lock. Knows nothing about HTTP or the store.
 """
 
 import shutil
@@ -36,6 +30,13 @@ class Snapshot:
 
 
 class SamplerAdapters:
+    """Ephemeral snapshots (save_weights_and_get_sampling_client) live in memory, the newest few per
+    training run, and, when the sampling engine loads adapters by path (vLLM), also on disk in a
+    directory of their own. A snapshot session samples its own snapshot; an inflight session
+    (kind="inflight") samples its run's newest inflight snapshot, so every inflight save moves all the
+    run's inflight sessions forward, and never back. Saved adapters are loaded from their checkpoint
+    directory on demand and kept in a bounded LRU, so an evicted one is simply reloaded."""
+
     def __init__(self, config: SamplerConfig, device: torch.device | str, snapshot_dir: Path | None = None,
                  on_forget: Callable[[str], None] | None = None):
         """

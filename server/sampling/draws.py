@@ -1,11 +1,6 @@
 """How the embedded sampling engine draws tokens: each row's temperature, top-k and top-p, then one uniform
 number per row through the inverse of its distribution's CDF; the k best alternatives; draws at prompt
-positions.
-
-Every row of a decode step is drawn in one pass, whatever request it belongs to: the per-row settings
-are tensors, and each sample's uniform numbers come from a generator of its own (the engine keeps one
-per sample), so a sample's tokens depend only on its seed and step, never on its neighbours or on when
-it joined. Pure functions of logits and random numbers: they know nothing of batches, requests'
+positions. Pure functions of logits and random numbers: they know nothing of batches, requests'
 lifetimes or models.
 
 Tensor shape suffixes: R  rows drawn together   C  a chunk of prompt positions   V  vocabulary
@@ -45,6 +40,11 @@ def draw(logprobs_CV: torch.Tensor, temperature: float, num_draws: int, generato
 def sample_tokens(logits_RV: torch.Tensor, temperature_R: torch.Tensor, top_k_R: torch.Tensor,
                   top_p_R: torch.Tensor, uniform_R: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from its filtered distribution, at its uniform number (temperature 0: the argmax).
+
+    Every row of a decode step is drawn in one pass, whatever request it belongs to: the per-row settings
+    are tensors, and each sample's uniform numbers come from a generator of its own (the engine keeps one
+    per sample), so a sample's tokens depend only on its seed and step, never on its neighbours or on when
+    it joined.
 
     Args:
         top_k_R: k of each row; 0 or -1 (or the vocabulary's size) keeps every token.

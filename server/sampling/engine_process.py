@@ -1,14 +1,7 @@
 """The embedded engine in a process of its own, so that its Python (the model's forwards, the batching) never
 holds the interpreter lock that the server's HTTP front needs: on a GPU, where the model's work is launched
 rather than done, the two each keep a core busy, and in one process they took turns (benchmarks/RESULTS.md).
-
-The parent side is a `SamplingEngine`: `submit` sends the request down a pipe and returns a future, which a
-reader thread completes when the child answers (a request's `on_token` stays here: the child sends each token it
-samples, and the reader thread hands it over). An in-memory adapter (a snapshot) crosses once, as a CPU copy,
-the first time its name is used; later requests name it, and `forget` drops it in the child too. Saved
-checkpoints are loaded by the child from their directory. The child starts on the first request (a server
-whose clients never sample never starts it); if it dies, every request in flight fails with a 503 and the
-next request starts a new one. Knows nothing about HTTP, the store or the wire format.
+Knows nothing about HTTP, the store or the wire format.
 """
 
 import dataclasses
@@ -36,7 +29,16 @@ _TOKEN = "token"
 
 
 class EngineProcess:
-    """An `EmbeddedEngine` in a child process, behind the same interface."""
+    """An `EmbeddedEngine` in a child process, behind the same interface.
+
+    `submit` sends the request down a pipe and returns a future, which a reader thread completes when the
+    child answers (a request's `on_token` stays here: the child sends each token it samples, and the reader
+    thread hands it over). An in-memory adapter (a snapshot) crosses once, as a CPU copy, the first time
+    its name is used; later requests name it, and `forget` drops it in the child too. Saved checkpoints are
+    loaded by the child from their directory. The child starts on the first request (a server whose
+    clients never sample never starts it); if it dies, every request in flight fails with a 503 and the
+    next request starts a new one.
+    """
 
     def __init__(self, model: ModelConfig, feature_cache_bytes: int, sampler: SamplerConfig):
         self.model, self.feature_cache_bytes, self.sampler = model, feature_cache_bytes, sampler

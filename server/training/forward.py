@@ -1,18 +1,7 @@
 """The training forward as one module: token ids -> log-probabilities of the target tokens, and the
-loss through a fused unembedding.
-
-Logprobs are of the distribution the samplers sample from: media placeholders get zero
-probability (server/models/logprobs.py). Embedding, decoder, final norm and the unembedding all
-run inside `TargetLogprobs.forward`, so that as FSDP's root its hooks gather the root-level
-weights for every piece of it. Full-vocabulary logits exist for at most `chunk_size` positions at
-a time, and are never kept for backward: when the loss's gradient with respect to each target
-logprob can be had chunk by chunk (every loss that is elementwise in it), the unembedding's whole
-backward (to the hidden states and to lm_head's LoRA) is computed in the forward, right after the
-chunk's logits, so the vocabulary-wide matmul runs twice instead of three times (forward, recompute,
-backward). Otherwise (gspo's per-datum ratio) the logprobs come first, then one more pass.
-
-The unembedding's LoRA (one adapter, or one per row of a multi-run pass) is applied here, from
-what lm_head's wrapper holds; the decoder's LoRA is the wrappers' own business (lora/layers.py).
+loss through a fused unembedding that never keeps full-vocabulary logits for backward. Logprobs are of
+the distribution the samplers sample from (media placeholders get zero probability). Knows nothing
+about the wire, the optimizer or how ranks share the work.
 
 Shapes: B = rows, T = padded length, D = hidden size, N = real (unpadded) positions of all rows,
 C = positions of a chunk, K = targets per position, V = vocabulary, J = LoRA columns.
@@ -66,6 +55,22 @@ def _chunk_logits_grad(logits_CV: torch.Tensor, normaliser_C: torch.Tensor, targ
 
 
 class TargetLogprobs(nn.Module):
+    """Token ids -> target logprobs (and the loss), media placeholders at zero probability
+    (server/models/logprobs.py).
+
+    Embedding, decoder, final norm and the unembedding all run inside `forward`, so that as FSDP's root
+    its hooks gather the root-level weights for every piece of it. Full-vocabulary logits exist for at
+    most `chunk_size` positions at a time, and are never kept for backward: when the loss's gradient with
+    respect to each target logprob can be had chunk by chunk (every loss that is elementwise in it), the
+    unembedding's whole backward (to the hidden states and to lm_head's LoRA) is computed in the forward,
+    right after the chunk's logits, so the vocabulary-wide matmul runs twice instead of three times
+    (forward, recompute, backward). Otherwise (gspo's per-datum ratio) the logprobs come first, then one
+    more pass.
+
+    The unembedding's LoRA (one adapter, or one per row of a multi-run pass) is applied here, from what
+    lm_head's wrapper holds; the decoder's LoRA is the wrappers' own business (lora/layers.py).
+    """
+
     def __init__(self, model: nn.Module, chunk_size: int, compile: bool = False,
                  refused_token_ids: frozenset[int] = frozenset()):
         super().__init__()

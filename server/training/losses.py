@@ -1,13 +1,8 @@
 """Tinker's loss functions on one datum's target logprobs: token sums, no normalisation.
 
-Each loss takes the current policy's logprobs of the targets (`logprobs_N`, or `logprobs_NK` for
-top-K cross-entropy), the datum's loss_fn_inputs and the loss_fn_config, and returns the per-token
-loss (`elementwise`, same shape) whose sum is the datum's contribution to `loss:sum`. A loss may
-also report per-datum metrics ("name:reduction"), combined over the request's datums.
-`MicrobatchLoss` lays a micro-batch's datums end to end, so that the fused unembedding
-(training/forward.py) can ask for the gradient chunk by chunk. Knows nothing about models or the
-wire; stable_reinforce's recorded inputs are put on each datum by the provenance check before the
-loss runs.
+Each loss maps a datum's target logprobs, loss_fn_inputs and loss_fn_config to a per-token loss whose
+sum is the datum's `loss:sum` (see `LossSpec`). Knows nothing about models or the wire;
+stable_reinforce's recorded inputs are put on each datum by the provenance check before the loss runs.
 
 Shapes: N = positions of a datum (of a micro-batch in MicrobatchLoss), K = targets per position.
 """
@@ -26,6 +21,10 @@ MetricsFn = Callable[[torch.Tensor, dict[str, torch.Tensor], dict[str, float]], 
 
 @dataclass(frozen=True)
 class LossSpec:
+    """One loss. `fn` takes the current policy's logprobs of the targets (`logprobs_N`, or `logprobs_NK` for
+    top-K cross-entropy), the datum's loss_fn_inputs and the loss_fn_config, and returns the per-token loss
+    (same shape) whose sum is the datum's contribution to `loss:sum`."""
+
     fn: LossFn
     inputs: tuple[str, ...]
     """loss_fn_inputs every datum must carry besides target_tokens."""
@@ -166,8 +165,9 @@ class DatumLoss:
 
 
 class MicrobatchLoss:
-    """The losses of a micro-batch's datums, laid end to end over its N positions; keeps every
-    position's logprob and loss for the outputs (the ChunkLoss of training/forward.py)."""
+    """The losses of a micro-batch's datums, laid end to end over its N positions, so that the fused
+    unembedding can ask for the gradient chunk by chunk; keeps every position's logprob and loss for the
+    outputs (the ChunkLoss of training/forward.py)."""
 
     def __init__(self, datums: list[DatumLoss], logprobs_shape: tuple[int, int], device: torch.device):
         self.datums = datums
