@@ -13,41 +13,30 @@ half of the run, when every bounded cache is full.
 """
 
 import argparse
-import io
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import tinker
-from PIL import Image
 from tinker import types
-from transformers import AutoImageProcessor
 
-from tests.support.live_server import start_server
 from benchmarks.process_memory import process_tree, rss_mib
-
-
-def png(seed: int, size: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
+from client_compat.images import ImageChunker
+from tests.support.live_server import start_server
+from tests.support.vision import noise_image
 
 
 class Prompts:
     def __init__(self, training: tinker.TrainingClient, image_size: int):
         self.tokenizer = training.get_tokenizer()
         self.image_size = image_size
-        processor = AutoImageProcessor.from_pretrained(training.get_info().model_data.tokenizer_id)
-        patches = processor.get_number_of_image_patches(image_size, image_size, {})
-        self.image_tokens = patches // processor.merge_size ** 2
+        self.chunker = ImageChunker(training.get_info().model_data.tokenizer_id)
 
     def prompt(self, seed: int) -> types.ModelInput:
         encode = self.tokenizer.encode
         return types.ModelInput(chunks=[
             types.EncodedTextChunk(tokens=encode("<|im_start|>user\n<|vision_start|>")),
-            types.ImageChunk(data=png(seed, self.image_size), format="png", expected_tokens=self.image_tokens),
+            self.chunker.chunk(noise_image(self.image_size, self.image_size, seed)),
             types.EncodedTextChunk(tokens=encode("<|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n"))])
 
     def datum(self, seed: int) -> types.Datum:
