@@ -19,7 +19,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" TINKER_TELEMETRY=0
 workers=${TEST_WORKERS:-2}
 parallel=()
 if [ "$workers" != 0 ]; then
-    parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+    parallel=(-n "$workers" --dist load --no-loadscope-reorder)
 fi
 if [ "${1:-}" = "--quick" ]; then
     shift

@@ -21,26 +21,37 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 logging.getLogger("tinker.lib.internal_client_holder").setLevel(logging.ERROR)
 
 
-# Where the suite's time goes first when scripts/test.sh runs it on two workers (pytest-xdist, --dist loadgroup):
-# the longest groups, so that neither worker is left with one at the end. Everything else follows in file order.
+# The longest groups of tests go first, so that neither of scripts/test.sh's two workers is left with one at the
+# end; everything else follows in file order.
 _FIRST = ("tests/vllm/", "tests/e2e/test_real_model.py", "tests/e2e/", "tests/fault/test_crashes_and_full_disk.py",
           "tests/integration/test_cookbook_recipes.py", "tests/integration/test_readme.py",
           "tests/unit/training/test_trainer.py")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group the tests for the workers: a module's tests on one worker (its module-scoped server starts once) and
-    all of tests/vllm on one (they share their vLLM engines), the longest groups first."""
-    def group(item: pytest.Item) -> str:
-        path = item.nodeid.split("::")[0]
-        return "tests/vllm/" if path.startswith("tests/vllm/") else path
+def _group(nodeid: str) -> str:
+    """The tests a worker runs together: a module's (its module-scoped servers start once), and all of tests/vllm
+    (they share their vLLM engines)."""
+    path = nodeid.split("::")[0]
+    return "tests/vllm/" if path.startswith("tests/vllm/") else path
 
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         return next((i for i, prefix in enumerate(_FIRST) if item.nodeid.startswith(prefix)), len(_FIRST))
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
     items.sort(key=rank)  # stable: file order within a rank
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """pytest-xdist hands out whole groups (its own xdist_group marks do not reach pytest 9's node ids)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ByGroup(config, log)
 
 
 @pytest.fixture(scope="session")
