@@ -9,6 +9,7 @@ stop string is sent, so concatenating the chunks gives the text of the whole res
 about engines or HTTP.
 """
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -73,7 +74,7 @@ def completion(reply: Reply, choices: list[Choice], usage: Usage, tokenizer: Pre
         for choice in choices])
 
 
-class Stream:
+class Stream(ABC):
     """The events of one streamed response, made as its tokens arrive (any order of choices)."""
 
     def __init__(self, reply: Reply, tokenizer: PreTrainedTokenizerBase, num_choices: int):
@@ -102,12 +103,14 @@ class Stream:
         """The usage chunk (when asked for), then the end of the stream."""
         return (b"" if usage is None else self._usage_chunk(usage)) + DONE
 
+    @abstractmethod
     def _chunk(self, index: int, text: str, token: tuple[int, float, Alternatives] | None, offset: int,
                finish_reason: str | None = None) -> bytes:
-        raise NotImplementedError
+        """One event of choice `index`: its new text (and the token that brought it), in the route's format."""
 
+    @abstractmethod
     def _usage_chunk(self, usage: Usage) -> bytes:
-        raise NotImplementedError
+        """The event that carries the token counts, in the route's format."""
 
 
 class ChatStream(Stream):
