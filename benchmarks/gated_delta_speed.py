@@ -25,35 +25,47 @@ def main() -> None:
     args = parser.parse_args()
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    implementations = {"transformers (PyTorch)": modeling_qwen3_5.torch_chunk_gated_delta_rule.__wrapped__}
+    dtype, device = getattr(torch, args.dtype), torch.device(args.device)
+    torch_path = modeling_qwen3_5.torch_chunk_gated_delta_rule.__wrapped__
+    # (name, function, dtype of q, k, v); the first is the reference the others are compared with.
+    implementations = [("transformers fp32 (reference)", torch_path, torch.float32)]
+    if dtype != torch.float32:
+        implementations.append((f"transformers {args.dtype}", torch_path, dtype))
     if importlib.util.find_spec("fla") is not None:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-        implementations["flash-linear-attention"] = fla_chunk
-    dtype, device = getattr(torch, args.dtype), torch.device(args.device)
+        implementations.append((f"flash-linear-attention {args.dtype}", fla_chunk, dtype))
     generator = torch.Generator(device="cpu").manual_seed(0)
     b, n, hk, h, d = args.batch, args.length, args.key_heads, args.value_heads, args.head_dim
     inputs = [torch.randn(b, n, hk, d, generator=generator), torch.randn(b, n, hk, d, generator=generator),
               torch.randn(b, n, h, d, generator=generator), -torch.rand(b, n, h, generator=generator) * 0.3,
               torch.rand(b, n, h, generator=generator)]
-    inputs = [x.to(device, dtype if i < 3 else torch.float32) for i, x in enumerate(inputs)]
+    inputs = [x.to(device) for x in inputs]
     print(f"{b} x {n} positions, {hk} key heads, {h} value heads, head dim {d}, {args.dtype}, {device}")
-    print(f"{'implementation':26} {'fwd+bwd ms':>11} {'peak GiB':>9} {'max |out - transformers|':>25}")
+    # Gaps against the first implementation (transformers'): the output's largest absolute difference, and
+    # each gradient's largest difference relative to that gradient's largest magnitude.
+    names = ("q", "k", "v", "g", "beta")
+    print(f"{'implementation':34} {'fwd+bwd ms':>11} {'peak GiB':>9} {'max |out - ref|':>16} "
+          + " ".join(f"{'d' + name + ' rel':>10}" for name in names))
     reference = None
-    for name, function in implementations.items():
+    for name, function, qkv_dtype in implementations:
         try:
-            times, peak, out = measure(args, device, function, inputs)
+            times, peak, outputs = measure(args, device, function,
+                                           [x.to(qkv_dtype) if i < 3 else x for i, x in enumerate(inputs)])
         except Exception as error:  # e.g. a kernel that refuses this GPU's Triton
-            print(f"{name:26} failed: {type(error).__name__}: {str(error)[:200]}")
+            print(f"{name:34} failed: {type(error).__name__}: {str(error)[:200]}")
             continue
-        out = out.detach().float()
-        gap = 0.0 if reference is None else (out - reference).abs().max().item()
-        reference = out if reference is None else reference
-        print(f"{name:26} {1000 * sorted(times)[len(times) // 2]:11.1f} {peak:9.2f} {gap:25.2e}")
+        reference = outputs if reference is None else reference
+        gaps = [((mine - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30)).item()
+                for mine, theirs in zip(outputs, reference)]
+        out_gap = (outputs[0] - reference[0]).abs().max().item()
+        print(f"{name:34} {1000 * sorted(times)[len(times) // 2]:11.1f} {peak:9.2f} {out_gap:16.2e} "
+              + " ".join(f"{gap:10.2e}" for gap in gaps[1:]))
 
 
 def measure(args, device, function, inputs):
-    """Seconds of each timed forward + backward, the peak memory (GiB) of the last, and its output."""
+    """Seconds of each timed forward + backward, the peak memory (GiB) of the last, and its output and the
+    inputs' gradients (fp32)."""
     times, peak = [], float("nan")
     for repeat in range(args.repeats + 1):
         leaves = [x.detach().clone().requires_grad_() for x in inputs]
@@ -69,7 +81,7 @@ def measure(args, device, function, inputs):
             peak = torch.cuda.max_memory_allocated() / 2**30
         if repeat:  # the first call compiles (Triton) or warms the allocator
             times.append(time.perf_counter() - start)
-    return times, peak, out
+    return times, peak, [out.detach().float()] + [leaf.grad.float() for leaf in leaves]
 
 
 if __name__ == "__main__":
