@@ -109,8 +109,8 @@ def test_the_servers_arguments_are_a_valid_command_line_and_the_same_in_compose(
                                  if line.startswith("ENTRYPOINT"))[len("ENTRYPOINT"):])
     args = container("tinker-server", "server")["args"]
     config = parse_config([*entrypoint[3:], *args])
-    assert (config.host, config.port, str(config.data_dir), config.sampler.vllm.url) == \
-        ("0.0.0.0", 8000, "/data", "http://tinker-vllm:8100")
+    assert (config.host, config.port, str(config.data_dir), config.sampler.vllm.urls) == \
+        ("0.0.0.0", 8000, "/data", ("http://tinker-vllm:8100",))
     compose_args = compose()["services"]["server-gpu"]["command"]
     assert flags(args) == {**flags(compose_args), "--vllm-url": ("http://tinker-vllm:8100",)}
 

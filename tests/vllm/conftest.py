@@ -97,7 +97,7 @@ def vllm_servers(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathF
 def _engine(family: str, servers: dict[str, VLLMProcess], model_dirs: dict[str, Path]) -> Iterator[Engine]:
     server = servers[family]
     server.wait_until_ready()
-    sampler = VLLMEngine(server)
+    sampler = VLLMEngine([server])
     images = ImagePreparer(ImageProcessorSpec.from_model_dir(model_dirs[family]), ImageConfig())
     yield Engine(family, model_dirs[family], server, sampler, AutoTokenizer.from_pretrained(model_dirs[family]),
                  images)
