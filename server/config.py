@@ -161,10 +161,6 @@ class VLLMConfig:
             if len(self.devices) != wanted:
                 raise ValueError(f"--vllm-devices names {len(self.devices)} GPUs; {self.replicas} replicas x "
                                  f"tensor parallel size {self.tensor_parallel_size} need {wanted}")
-
-    @property
-    def num_replicas(self) -> int:
-        return len(self.urls) if self.urls else self.replicas
         if self.max_loras and self.max_lora_rank not in _LORA_RANKS:
             raise ValueError(f"max_lora_rank must be one of {_LORA_RANKS}, got {self.max_lora_rank}")
         if self.max_loras and self.max_cpu_loras < self.max_loras:

@@ -1,7 +1,7 @@
 """vLLM's OpenAI-compatible HTTP server: started as a child process and kept alive, or reached at a URL.
 
-Owns the command line, the child's environment, the port, the log file, readiness (GET /health)
-and restarts after a crash. vLLM lives in its own virtual environment (scripts/install_vllm.sh)
+Owns the command line, the child's environment (its GPUs: CUDA_VISIBLE_DEVICES), the port, the log
+file, readiness (GET /health) and restarts after a crash; one such process per replica. vLLM lives in its own virtual environment (scripts/install_vllm.sh)
 and is only ever talked to over HTTP, so its pins never meet ours. The model runs as the server's
 variant of its architecture (the vLLM plugin in vllm_plugin/, which that venv holds): LoRA on
 lm_head too, and the media placeholders masked. Knows nothing about sampling requests or
@@ -59,12 +59,11 @@ _LOG_TAIL_BYTES = 4000
 class VLLMEndpoint:
     """A vLLM someone else runs: we can only wait for it to answer."""
 
-    recovery_s = 60.0
-    """How long a request waits for this vLLM to answer again after it stopped answering."""
-
-    def __init__(self, url: str, config: VLLMConfig):
+    def __init__(self, url: str, config: VLLMConfig, recovery_s: float = 60.0):
         self._url = url.rstrip("/")
         self.config = config
+        self.recovery_s = recovery_s
+        """How long a request waits for this vLLM to answer again after it stopped answering."""
         self._down_since: float | None = None
         self._probed_at = 0.0
 
@@ -115,7 +114,7 @@ class VLLMProcess(VLLMEndpoint):
             devices: the GPUs it runs on (indices among the GPUs this process sees; None: those it
                 inherits, all of them).
         """
-        super().__init__("http://unstarted", config)
+        super().__init__("http://unstarted", config, recovery_s=config.startup_timeout_s)
         self.model = model
         self.devices = devices
         if log_path is None:
@@ -137,10 +136,6 @@ class VLLMProcess(VLLMEndpoint):
     def url(self) -> str:
         with self._lock:
             return self._url
-
-    @property
-    def recovery_s(self) -> float:
-        return self.config.startup_timeout_s
 
     @property
     def failure(self) -> str | None:

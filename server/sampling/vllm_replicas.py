@@ -1,11 +1,12 @@
 """The vLLM replicas one VLLMEngine samples through: which one takes the next request, and what each has loaded.
 
-A request goes to the replica with the fewest requests in flight among those up; the retries of a
-request that a replica dropped (killed, restarting) go to the others first. When none is up, a request
-waits for one to come back (the supervisor restarts those it started) and fails with the reasons when
-none can. Knows nothing about request bodies or adapter files: vllm.py speaks HTTP to the replica.
+A request goes to the replica with the fewest requests in flight among those up (ties: the one that
+waited longest, so that requests one at a time take turns); the retries of a request that a replica
+dropped (killed, restarting) go to the others first. When none is up, a request waits for one to come
+back (the supervisor restarts those it started) and fails with the reasons when none can. Knows nothing about request bodies or adapter files: vllm.py speaks HTTP to the replica.
 """
 
+import itertools
 import logging
 import threading
 import time
@@ -27,8 +28,8 @@ class Replica:
     index: int
     endpoint: VLLMEndpoint
     in_flight: int = 0
-    num_requests: int = 0
-    """Generate requests sent to it."""
+    last_chosen: int = 0
+    """When it last got a request (a ticket number): ties go to the one that waited longest."""
     adapters: dict[str, Path] = field(default_factory=dict)
     """Adapters this engine has loaded into it: name -> path (a restarted replica forgets them)."""
     load_locks: dict[str, threading.Lock] = field(default_factory=dict)
@@ -42,7 +43,8 @@ class Replicas:
         assert endpoints, "a vLLM engine needs at least one replica"
         self.all = [Replica(index, endpoint) for index, endpoint in enumerate(endpoints)]
         self.lock = threading.Lock()
-        """Guards every replica's in_flight, num_requests, adapters and load_locks."""
+        """Guards every replica's in_flight, last_chosen, adapters and load_locks, and the tickets."""
+        self._tickets = itertools.count(1)
 
     @contextmanager
     def take(self, avoid: set[int]) -> Iterator[Replica]:
@@ -62,9 +64,11 @@ class Replicas:
             up = [replica for replica in self.all if replica.endpoint.is_up()]
             if up:
                 with self.lock:
-                    chosen = min([r for r in up if r.index not in avoid] or up, key=lambda r: r.in_flight)
+                    # Ties go to the one that waited longest: an idle engine's requests take turns.
+                    chosen = min([r for r in up if r.index not in avoid] or up,
+                                 key=lambda r: (r.in_flight, r.last_chosen))
                     chosen.in_flight += 1
-                    chosen.num_requests += 1
+                    chosen.last_chosen = next(self._tickets)
                 return chosen
             failures = [replica.endpoint.failure for replica in self.all]
             if all(failures):

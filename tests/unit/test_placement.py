@@ -17,7 +17,7 @@ def test_training_and_vllm_on_gpus_of_their_own():
     config = parse_config([*GPU_VLLM, "--training-devices", "0,1", "--vllm-devices", "2,3", "--vllm-replicas", "2"])
     assert (config.trainer.training_devices, config.trainer.local_ranks, config.trainer.world_size) == ((0, 1), 2, 2)
     vllm = config.sampler.vllm
-    assert (vllm.devices, vllm.replicas, vllm.tensor_parallel_size, vllm.num_replicas) == ((2, 3), 2, 1, 2)
+    assert (vllm.devices, vllm.replicas, vllm.tensor_parallel_size) == ((2, 3), 2, 1)
     tensor_parallel = parse_config([*GPU_VLLM, "--training-devices", "0", "--sampler-devices", "1,2",
                                     "--vllm-tensor-parallel-size", "2"]).sampler.vllm
     assert (tensor_parallel.devices, tensor_parallel.replicas) == ((1, 2), 1)
@@ -57,7 +57,7 @@ def test_placement_flags_need_gpus_and_vllms_the_server_starts():
 def test_several_vllm_urls_are_replicas():
     config = parse_config(["--base-model", "m", "--sampler", "vllm", "--vllm-url", "http://a:1", "http://b:2",
                            "--vllm-url", "http://c:3"]).sampler.vllm
-    assert config.urls == ("http://a:1", "http://b:2", "http://c:3") and config.num_replicas == 3
+    assert config.urls == ("http://a:1", "http://b:2", "http://c:3")
     assert [server.url for server in build_vllm_servers(config, None, Path("."))] == list(config.urls)
 
 
