@@ -27,7 +27,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,7 +36,7 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks.process_memory import process_tree, rss_mib  # noqa: E402
+from benchmarks.process_memory import PeakMemory, process_tree, rss_mib  # noqa: E402
 from benchmarks.train_throughput import BASE_NAME, SHAPES, write_model  # noqa: E402
 from tests.support.live_server import start_server  # noqa: E402
 
@@ -76,13 +75,12 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-class GpuPeaks:
+class GpuPeaks(PeakMemory):
     """The most memory in use on each GPU (every process), from nvidia-smi every half second."""
 
     def __init__(self):
+        super().__init__("cuda")
         self.peaks: dict[str, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
@@ -91,14 +89,6 @@ class GpuPeaks:
             for line in lines:
                 index, used = (part.strip() for part in line.split(","))
                 self.peaks[index] = max(self.peaks.get(index, 0.0), float(used) / 1024)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
 
 
 def rl_step(args, training, sampler, prompts: list[list[int]], seed: int) -> tuple[dict, object]:
