@@ -44,13 +44,13 @@ RANK = 32
 
 
 def placement_flags(name: str, args) -> list[str]:
-    memory = ["--vllm-extra-args", f"--gpu-memory-utilization {args.colocated_memory}"]
+    memory = [f"--vllm-extra-args=--gpu-memory-utilization {args.colocated_memory}"]  # "=": the value is a flag
     return {
-        "split": ["--training-devices", "0", "--vllm-devices", "1", "--vllm-extra-args",
-                  f"--gpu-memory-utilization {args.split_memory}"],
+        "split": ["--training-devices", "0", "--vllm-devices", "1",
+                  f"--vllm-extra-args=--gpu-memory-utilization {args.split_memory}"],
         "colocated-1": ["--training-devices", "0", "--vllm-devices", "0", *memory],
         "colocated-2": ["--training-devices", "0,1", "--vllm-devices", "0,1", "--vllm-replicas", "2", *memory],
-        "cpu": ["--vllm-extra-args", "--enforce-eager"],
+        "cpu": ["--vllm-extra-args=--enforce-eager"],
     }[name]
 
 
