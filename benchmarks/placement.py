@@ -116,7 +116,7 @@ def rl_step(args, training, sampler, prompts: list[list[int]], seed: int) -> tup
     forward_backward.result()
     optim_step.result()
     trained = time.perf_counter()
-    next_sampler = training.save_weights_and_get_sampling_client(name=f"step-{seed}")
+    next_sampler = training.save_weights_and_get_sampling_client(name=f"step-{seed}").result()
     saved = time.perf_counter()
     return {"sample": sampled - started, "train": trained - sampled, "save": saved - trained,
             "sampled_tokens": num_tokens}, next_sampler
@@ -135,7 +135,7 @@ def run_placement(args, name: str, model_dir: Path) -> dict:
     try:
         service = tinker.ServiceClient(base_url=server.url, api_key=server.api_key)
         training = service.create_lora_training_client(base_model=base_model, rank=RANK).result()
-        sampler = training.save_weights_and_get_sampling_client(name="step-start")
+        sampler = training.save_weights_and_get_sampling_client(name="step-start").result()
         rng = np.random.default_rng(0)
         vocab = SHAPES[args.shape]["text"]["vocab_size"]
         low = min(1000, vocab // 2)  # plain tokens: the tokenizer's special ones are below 1000
