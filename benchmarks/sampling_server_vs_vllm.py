@@ -253,7 +253,7 @@ def run_engine(args, vllm_config, served, prompts_by_round: list[list[dict]], ad
     with PeakMemory(args.device, lambda: process_tree(process.pid or 0)) as memory:
         try:
             process.wait_until_ready()
-            engine = VLLMEngine(process)
+            engine = VLLMEngine([process])
             for round_index in range(args.rounds + 1):
                 requests = [SamplingRequest(prompt=rendered[round_index][r["prompt"]],
                                             adapter=refs[round_index][r["run"]],

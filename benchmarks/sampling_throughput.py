@@ -188,7 +188,7 @@ def main() -> None:
     server = start_vllm(args, base, cache, max_loras=args.runs)
     start_seconds = time.perf_counter() - started
     try:
-        vllm = VLLMEngine(server)
+        vllm = VLLMEngine([server])
         for name, rounds in workloads.items():
             run("vLLM", vllm, name, rounds[:1], lambda: process_group(server.pid))
             results.append(run("vLLM", vllm, name, rounds[1:], lambda: process_group(server.pid)))
@@ -197,7 +197,7 @@ def main() -> None:
     # The scoring load on a vLLM that serves prompt logprobs: without LoRA, so the base model.
     server = start_vllm(args, base, cache, max_loras=0)
     try:
-        vllm = VLLMEngine(server)
+        vllm = VLLMEngine([server])
         base_scoring = [[SamplingRequest(prompt=r.prompt, options=r.options, logprobs=r.logprobs) for r in requests]
                         for requests in scoring]
         run("vLLM", vllm, "scoring", base_scoring[:1], lambda: process_group(server.pid))

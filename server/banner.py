@@ -60,9 +60,13 @@ def _sampling_engine(config: ServerConfig) -> str:
     sampler = config.sampler
     if sampler.engine == "embedded":
         return "embedded (HF transformers in this process; its model copy loads on the first sampling request)"
-    if sampler.vllm.url is not None:
-        return f"vLLM at {sampler.vllm.url} (run by someone else)"
-    return f"vLLM started and supervised by this server ({sampler.vllm.python}; log {config.data_dir / 'vllm.log'})"
+    vllm = sampler.vllm
+    if vllm.urls:
+        return f"vLLM at {', '.join(vllm.urls)} (run by someone else)"
+    logs = config.data_dir / ("vllm.log" if vllm.replicas == 1 else "vllm-*.log")
+    placement = "" if vllm.devices is None else f" on GPUs {','.join(map(str, vllm.devices))}"
+    return (f"vLLM started and supervised by this server, {vllm.replicas} replica(s) of "
+            f"{vllm.tensor_parallel_size} GPU(s){placement} ({vllm.python}; log {logs})")
 
 
 def _journal(database_url: str) -> str:

@@ -73,6 +73,8 @@ class TrainerConfig:
     """LoRA scale numerator (scale = alpha / rank), reported in every saved adapter_config.json."""
     local_ranks: int = 1
     """Training processes on this node, one per GPU (the server's own process is rank 0)."""
+    training_devices: tuple[int, ...] | None = None
+    """The GPU of each local rank, as indices among the GPUs the server sees (None: rank r on GPU r)."""
     world_size: int = 1
     """Training ranks on all nodes (more than local_ranks when torchrun starts ranks on other nodes)."""
     master_addr: str = "127.0.0.1"
@@ -87,6 +89,11 @@ class TrainerConfig:
     def __post_init__(self):
         if not 1 <= self.local_ranks <= self.world_size:
             raise ValueError(f"need 1 <= local_ranks ({self.local_ranks}) <= world_size ({self.world_size})")
+        if self.training_devices is not None:
+            _check_device_list("--training-devices", self.training_devices)
+            if len(self.training_devices) != self.local_ranks:
+                raise ValueError(f"--training-devices names {len(self.training_devices)} GPUs for "
+                                 f"{self.local_ranks} local training ranks (--local-ranks): one GPU per rank")
         if self.max_tokens_per_pass < 1:
             raise ValueError(f"max_tokens_per_pass must be positive, got {self.max_tokens_per_pass}")
         if self.max_runs_per_pass is not None and self.max_runs_per_pass < 1:
@@ -99,10 +106,19 @@ class VLLMConfig:
 
     python: Path | None = None
     """Interpreter of the vLLM venv (scripts/install_vllm.sh builds one, with the server's vLLM plugin);
-    None: use a vLLM already running at `url`."""
-    url: str | None = None
-    """Base URL of a running vLLM, started with the flags of vllm_command() (sampling/vllm_process.py)
-    from a venv with the server's vLLM plugin; the fields that follow must then describe it."""
+    None: use the vLLMs already running at `urls`."""
+    urls: tuple[str, ...] = ()
+    """Base URLs of running vLLMs (replicas of one model), started with the flags of vllm_command()
+    (sampling/vllm_process.py) from a venv with the server's vLLM plugin; the fields that follow must
+    then describe them."""
+    replicas: int = 1
+    """vLLM servers the server starts, each a process of its own on its own GPUs; requests go to the one
+    with the fewest in flight."""
+    tensor_parallel_size: int = 1
+    """GPUs of one replica (vLLM's --tensor-parallel-size)."""
+    devices: tuple[int, ...] | None = None
+    """The GPUs of the replicas, tensor_parallel_size each in turn, as indices among the GPUs the server
+    sees (None: every replica inherits the server's GPUs)."""
     max_model_len: int = 8192
     """Longest prompt + completion, in expanded tokens (image pads included). vLLM cuts a completion
     short there instead of refusing the request, so the sampler refuses it."""
@@ -131,8 +147,20 @@ class VLLMConfig:
     """More `vllm serve` flags, e.g. ("--gpu-memory-utilization", "0.5")."""
 
     def __post_init__(self):
-        if (self.python is None) == (self.url is None):
-            raise ValueError("give exactly one of python (start vLLM) or url (use a running vLLM)")
+        if (self.python is None) == (not self.urls):
+            raise ValueError("give exactly one of python (start vLLM) or urls (use running vLLMs)")
+        if self.replicas < 1 or self.tensor_parallel_size < 1:
+            raise ValueError(f"--vllm-replicas ({self.replicas}) and --vllm-tensor-parallel-size "
+                             f"({self.tensor_parallel_size}) must be positive")
+        if self.urls and (self.replicas > 1 or self.tensor_parallel_size > 1 or self.devices is not None):
+            raise ValueError("--vllm-replicas, --vllm-tensor-parallel-size and --vllm-devices place the vLLMs "
+                             "the server starts; with --vllm-url each URL is a replica, placed by whoever runs it")
+        if self.devices is not None:
+            _check_device_list("--vllm-devices", self.devices)
+            wanted = self.replicas * self.tensor_parallel_size
+            if len(self.devices) != wanted:
+                raise ValueError(f"--vllm-devices names {len(self.devices)} GPUs; {self.replicas} replicas x "
+                                 f"tensor parallel size {self.tensor_parallel_size} need {wanted}")
         if self.max_loras and self.max_lora_rank not in _LORA_RANKS:
             raise ValueError(f"max_lora_rank must be one of {_LORA_RANKS}, got {self.max_lora_rank}")
         if self.max_loras and self.max_cpu_loras < self.max_loras:
@@ -273,10 +301,44 @@ class ServerConfig:
         if self.auth == "none" and not is_loopback(self.host):
             raise ValueError(f"--auth none would let anyone who reaches {self.host} train and read every result; "
                              f"it is only allowed on a loopback --host (127.0.0.1, ::1, localhost)")
+        _check_placement(self.model, self.trainer, self.sampler)
         chunk = self.client.fwdbwd_max_chunk_len
         if chunk is not None and chunk > self.limits.max_datums_per_request:
             raise ValueError(f"--fwdbwd-max-chunk-len {chunk} is over --max-datums-per-request "
                              f"{self.limits.max_datums_per_request}: clients would send requests the server refuses")
+
+
+def _check_device_list(flag: str, devices: tuple[int, ...]) -> None:
+    if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
+        raise ValueError(f"{flag} must list distinct GPU indices (0, 1, ...), got {','.join(map(str, devices))}")
+
+
+def _check_placement(model: ModelConfig, trainer: TrainerConfig, sampler: SamplerConfig) -> None:
+    """Training and vLLM either share exactly the same GPUs (colocated) or have GPUs of their own."""
+    vllm = sampler.vllm
+    placed = trainer.training_devices is not None or (vllm is not None and vllm.devices is not None)
+    if model.device_type != "cuda":
+        if placed:
+            raise ValueError("--training-devices and --vllm-devices place work on GPUs: they need --device cuda")
+        return
+    if vllm is None or vllm.urls:
+        return
+    if vllm.replicas > 1 and vllm.devices is None:
+        raise ValueError(f"--vllm-replicas {vllm.replicas} on GPUs needs --vllm-devices: each replica gets GPUs "
+                         f"of its own ({vllm.replicas} x {vllm.tensor_parallel_size})")
+    if vllm.devices is None:
+        return  # vLLM inherits the server's GPUs, as one colocated replica
+    training = set(trainer.training_devices if trainer.training_devices is not None else range(trainer.local_ranks))
+    shared = training & set(vllm.devices)
+    if shared and shared != training | set(vllm.devices):
+        raise ValueError(f"--vllm-devices {_listed(vllm.devices)} and the training GPUs {_listed(sorted(training))} "
+                         f"share GPU(s) {_listed(sorted(shared))} but not all: give vLLM GPUs of its own, or "
+                         f"exactly the training GPUs to colocate (then lower vLLM's memory share, e.g. "
+                         f"--vllm-extra-args '--gpu-memory-utilization 0.3')")
+
+
+def _listed(devices) -> str:
+    return ",".join(map(str, devices))
 
 
 def is_loopback(host: str) -> bool:
@@ -372,8 +434,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="seconds running requests get to finish on SIGTERM before they are failed")
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of a refused start-up too, not only its one-line reason")
-    parser.add_argument("--local-ranks", "--gpus", type=int, default=1,
-                        help="training processes on this node, one per GPU (with --device cpu: CPU processes)")
+    parser.add_argument("--local-ranks", "--gpus", type=int, default=None,
+                        help="training processes on this node, one per GPU (with --device cpu: CPU processes) "
+                             "(default: as many as --training-devices names, else 1)")
+    parser.add_argument("--training-devices", type=_device_list, default=None,
+                        help="the GPUs training runs on, e.g. 0,1: local rank r on the r-th (indices among the "
+                             "GPUs the server sees) (default: ranks 0..N-1 on GPUs 0..N-1)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each decoder block in backward (less memory, about a third more compute; "
                              "always on for Qwen3.5 / Qwen3.6)")
@@ -401,8 +467,16 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-python", type=Path, default=None,
                         help=f"interpreter of the vLLM venv (default: the one scripts/install_vllm.sh builds, "
                              f"{DEFAULT_VLLM_PYTHON})")
-    parser.add_argument("--vllm-url", default=None,
-                        help="use a vLLM already running at this URL instead of starting one (default: start one)")
+    parser.add_argument("--vllm-urls", "--vllm-url", nargs="+", action="extend", default=None, metavar="URL",
+                        help="use vLLMs already running at these URLs instead of starting them, one replica each "
+                             "(default: start them)")
+    parser.add_argument("--vllm-replicas", type=int, default=VLLMConfig.replicas,
+                        help="vLLM servers to start, each on its own GPUs; requests go to the least busy one")
+    parser.add_argument("--vllm-tensor-parallel-size", type=int, default=VLLMConfig.tensor_parallel_size,
+                        help="GPUs of each vLLM replica (vLLM's --tensor-parallel-size)")
+    parser.add_argument("--vllm-devices", "--sampler-devices", type=_device_list, default=None,
+                        help="the GPUs of the vLLM replicas, e.g. 2,3 (tensor parallel size GPUs each, in turn); "
+                             "the training GPUs to colocate (default: every replica on the server's GPUs)")
     parser.add_argument("--vllm-max-num-seqs", type=int, default=VLLMConfig.max_num_seqs,
                         help="sequences vLLM decodes at once")
     parser.add_argument("--vllm-max-loras", type=int, default=VLLMConfig.max_loras,
@@ -415,6 +489,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
                         help="more flags for the vLLM server, e.g. '--gpu-memory-utilization 0.4'; JSON values "
                              "pass intact, quoted or not: '--hf-overrides {\"a\": 1}' (default: none)")
     return parser
+
+
+def _device_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of GPU indices, e.g. 0,1; got {text!r}") from None
 
 
 def _add_store_flags(parser: argparse.ArgumentParser) -> None:
@@ -435,6 +516,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     args = build_arg_parser().parse_args(argv)
     data_dir = args.data_dir.resolve()
     database_url = _database_url(args, data_dir)
+    local_ranks = args.local_ranks or (len(args.training_devices) if args.training_devices else 1)
     return ServerConfig(
         model=ModelConfig(base_model=args.base_model, model_path=args.model_path,
                           model_cache_dir=data_dir / "models", device=args.device, dtype=args.dtype),
@@ -455,12 +537,12 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                             body_timeout_seconds=args.body_timeout_seconds,
                             max_connections_per_client=args.max_connections_per_client),
         auth=args.auth, shutdown_timeout_seconds=args.shutdown_timeout_seconds, debug=args.debug,
-        trainer=TrainerConfig(local_ranks=args.local_ranks, activation_checkpointing=args.activation_checkpointing,
+        trainer=TrainerConfig(local_ranks=local_ranks, training_devices=args.training_devices, activation_checkpointing=args.activation_checkpointing,
                               max_tokens_per_microbatch=args.max_tokens_per_microbatch, compile=args.compile,
                               max_tokens_per_pass=args.max_tokens_per_pass,
                               max_runs_per_pass=args.max_runs_per_pass,
                               # torchrun's variables when ranks on other nodes join (see the README)
-                              world_size=int(os.environ.get("WORLD_SIZE", args.local_ranks)),
+                              world_size=int(os.environ.get("WORLD_SIZE", local_ranks)),
                               master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                               master_port=int(os.environ.get("MASTER_PORT", 0))),
         sampler=SamplerConfig(engine=args.sampler_engine,
@@ -602,7 +684,7 @@ def parse_export_command(argv: list[str]) -> ExportCommand:
 
 def _vllm_config(args: argparse.Namespace) -> VLLMConfig:
     python = None
-    if not args.vllm_url:
+    if not args.vllm_urls:
         python = (args.vllm_python or DEFAULT_VLLM_PYTHON).absolute()
         if not python.exists():
             raise SystemExit(f"--sampler-engine vllm: no vLLM interpreter at {python}. Build the venv with "
@@ -610,7 +692,8 @@ def _vllm_config(args: argparse.Namespace) -> VLLMConfig:
                              f"or pass --vllm-python PATH (a venv with vLLM and the server's plugin) or "
                              f"--vllm-url URL (a vLLM already running)")
     return VLLMConfig(
-        python=python, url=args.vllm_url, max_num_seqs=args.vllm_max_num_seqs,
+        python=python, urls=tuple(args.vllm_urls or ()), replicas=args.vllm_replicas,
+        tensor_parallel_size=args.vllm_tensor_parallel_size, devices=args.vllm_devices, max_num_seqs=args.vllm_max_num_seqs,
         max_loras=args.vllm_max_loras, max_lora_rank=args.vllm_max_lora_rank, max_cpu_loras=args.vllm_max_cpu_loras,
         # On CPUs a seeded request whose prefill is split draws extra random numbers (see VLLMConfig).
         chunked_prefill=args.device != "cpu", extra_args=split_command_line(args.vllm_extra_args))

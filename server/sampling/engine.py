@@ -22,7 +22,7 @@ from server.sampling.embedded import EmbeddedEngine
 from server.sampling.engine_process import EngineProcess
 from server.sampling.types import SamplingEngine
 from server.sampling.vllm import VLLMEngine
-from server.sampling.vllm_process import ServedModel, build_vllm_server
+from server.sampling.vllm_process import ServedModel, build_vllm_servers
 
 
 def checkpoint_adapter_name(tinker_path: str, created_at: datetime) -> str:
@@ -53,10 +53,20 @@ def build_sampling_engine(sampler: SamplerConfig, model: ModelConfig, feature_ca
     served = ServedModel(directory=base.path, name=base.name, dtype=model.dtype,
                          refused_token_ids=base.vision.reserved_token_ids if base.vision is not None else frozenset(),
                          max_images_per_prompt=sampler.max_images_per_prompt, hybrid=base.family.hybrid)
-    server = build_vllm_server(vllm_config, served, log_path=data_dir / "vllm.log")
-    server.wait_until_ready(vllm_config.startup_timeout_s)
+    if vllm_config.devices is not None:
+        _check_devices_exist("--vllm-devices", vllm_config.devices)
+    servers = build_vllm_servers(vllm_config, served, data_dir)  # they start at once
+    for server in servers:
+        server.wait_until_ready(vllm_config.startup_timeout_s)
     # vLLM loads adapters by path: snapshots get files of their own, released with the snapshot.
     adapters = SamplerAdapters(sampler, model.device, snapshot_dir=data_dir / "sampler_snapshots",
                                on_forget=lambda name: engine.forget(name))
-    engine = VLLMEngine(server, fallback=EmbeddedEngine.on_demand(model, feature_cache_bytes, adapters, sampler))
+    engine = VLLMEngine(servers, fallback=EmbeddedEngine.on_demand(model, feature_cache_bytes, adapters, sampler))
     return engine, adapters
+
+
+def _check_devices_exist(flag: str, devices: tuple[int, ...]) -> None:
+    seen = torch.cuda.device_count()
+    if max(devices) >= seen:
+        raise ValueError(f"{flag} {','.join(map(str, devices))}: this machine shows the server {seen} GPU(s) "
+                         f"(0..{seen - 1}, after CUDA_VISIBLE_DEVICES)")

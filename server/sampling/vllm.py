@@ -1,13 +1,15 @@
 """The vLLM sampling engine: SamplingRequests sent to a vLLM server, SampleOutputs back.
 
-Owns the HTTP conversation with vLLM: requests, adapter loading, retries after a vLLM restart, and
-the choice of what vLLM must not serve. Knows nothing about rendering, the checkpoint store or the
-wire format; vllm_process.py runs the server.
+Owns the HTTP conversation with vLLM: requests, adapter loading on each replica, retries on another
+replica or after a restart, and the choice of what vLLM must not serve. Knows nothing about
+rendering, the checkpoint store or the wire format; vllm_process.py runs the servers,
+vllm_replicas.py picks the one a request goes to.
 """
 
 import base64
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,10 +21,11 @@ from server.lora.checkpoint_io import load_checkpoint
 from server.sampling.types import AdapterRef, LogprobOptions, SampledSequence, SampleOutput, SamplingEngine, \
     SamplingOptions, SamplingRequest
 from server.sampling.vllm_process import VLLMEndpoint
+from server.sampling.vllm_replicas import Replica, Replicas
 
 logger = logging.getLogger(__name__)
 
-# A request may be retried after a vLLM restart and then after reloading its adapter.
+# A request may be retried on another replica (or after a restart) and then after reloading its adapter.
 _MAX_ATTEMPTS = 3
 # vLLM's JSON floor for a logprob: -inf (a masked id) arrives as this.
 _VLLM_LOGPROB_FLOOR = -9999.0
@@ -33,7 +36,13 @@ _MAX_CONCURRENT_REQUESTS = 256
 
 
 class VLLMEngine:
-    """Samples through a vLLM server; thread-safe, and concurrent calls run concurrently in vLLM.
+    """Samples through one or more vLLM servers (replicas of one model); thread-safe, and concurrent calls
+    run concurrently in vLLM.
+
+    Replicas: each request (each chunk of a large one) goes to the replica with the fewest requests in
+    flight; a replica that drops a request (killed, restarting) gets no more until /health answers
+    again, and the request is sent again to another one, or waits for one to come back
+    (vllm_replicas.py). Each replica loads an adapter the first time a request for it arrives there.
 
     Endpoint: POST /inference/v1/generate (vLLM's token-in/token-out API, `--enable-scale-out`), the
     one route that takes prompt token ids together with images (`content_parts`: PNG data URLs; vLLM
@@ -64,14 +73,16 @@ class VLLMEngine:
       /inference/v1/generate has no `content_parts` and ignores it, so the model saw one pad token per image.
     """
 
-    def __init__(self, server: VLLMEndpoint, fallback: SamplingEngine | None = None, *,
+    def __init__(self, servers: Sequence[VLLMEndpoint], fallback: SamplingEngine | None = None, *,
                  request_timeout_s: float = 600.0):
         """
         Args:
+            servers: the replicas, all serving the same model with the same VLLMConfig.
             fallback: the engine for what vLLM does not serve (see the module docstring); None
                 refuses such requests.
         """
-        self.server = server
+        self.replicas = Replicas(servers)
+        self.config = servers[0].config
         self.fallback = fallback
         # One pooled client for every thread: vLLM batches whatever requests are in flight.
         self._client = httpx.Client(
@@ -80,16 +91,15 @@ class VLLMEngine:
                                 max_keepalive_connections=_MAX_CONCURRENT_REQUESTS))
         # The HTTP conversation with vLLM blocks: submitted requests wait for it on these threads.
         self._calls = ThreadPoolExecutor(_MAX_CONCURRENT_REQUESTS, thread_name_prefix="vllm-client")
-        self._adapters: dict[str, Path] = {}
-        """Adapters this engine has loaded into the running vLLM: name -> path."""
-        self._adapters_lock = threading.Lock()
-        self._load_locks: dict[str, threading.Lock] = {}
+        self._adapter_paths: dict[str, Path] = {}
+        """Adapters this engine has loaded into some replica, name -> path (their weights checked finite);
+        guarded by replicas.lock."""
         self._takes_images = True
         """False once vLLM ran an image prompt without its images: this vLLM never sees them."""
 
     def serves(self, request: SamplingRequest) -> bool:
         """Whether vLLM itself serves this request (else the fallback engine does)."""
-        config, wanted = self.server.config, request.logprobs
+        config, wanted = self.config, request.logprobs
         uses_lora = config.max_loras > 0
         if request.adapter is not None and not uses_lora:
             return False
@@ -118,9 +128,9 @@ class VLLMEngine:
             return self.fallback.sample(request)
         prompt, options = request.prompt, request.options
         # vLLM would silently stop at its context length. The prompt is counted as vLLM sees it.
-        if prompt.num_positions + options.max_tokens > self.server.config.max_model_len:
+        if prompt.num_positions + options.max_tokens > self.config.max_model_len:
             raise PayloadTooLarge(f"prompt ({prompt.num_positions} tokens) + max_tokens ({options.max_tokens}) is "
-                                  f"over the sampling engine's context length of {self.server.config.max_model_len}")
+                                  f"over the sampling engine's context length of {self.config.max_model_len}")
         # The pads stay collapsed: vLLM expands each one itself from its image, in order.
         base_body = {"token_ids": list(prompt.token_ids), "return_token_ids": True}
         if prompt.images:
@@ -130,7 +140,7 @@ class VLLMEngine:
         logprobs = request.logprobs
         # vLLM refuses n above its max_num_seqs. Child i of a request with seed s samples with seed
         # s + i, so chunk offsets keep the samples identical to a single request's.
-        chunk = self.server.config.max_num_seqs
+        chunk = self.config.max_num_seqs
         bodies = []
         for offset in range(0, request.num_samples, chunk):
             prompt_k = logprobs.topk_prompt_logprobs if logprobs.scores_prompt and offset == 0 else None
@@ -169,37 +179,51 @@ class VLLMEngine:
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)
         self._client.close()
-        self.server.close()
+        self.replicas.close()
         if self.fallback is not None:
             self.fallback.close()
 
     def forget(self, name: str) -> None:
-        """Unload an adapter whose weights are gone (vLLM would otherwise keep its name forever);
-        unknown names are ignored, and a later request with the name loads it again."""
-        with self._adapters_lock:
-            self._adapters.pop(name, None)
-        response = self._post("/v1/unload_lora_adapter", {"lora_name": name})
-        if response.status_code not in (200, 404):
-            raise TinkerServerError(f"vLLM could not unload adapter {name}: {_error_message(response)}")
+        """Unload an adapter whose weights are gone from every replica (vLLM would otherwise keep its name
+        forever); unknown names are ignored, and a later request with the name loads it again."""
+        with self.replicas.lock:
+            self._adapter_paths.pop(name, None)
+            for replica in self.replicas.all:
+                replica.adapters.pop(name, None)
+                replica.load_locks.pop(name, None)
+        for replica in self.replicas.all:
+            try:
+                response = self._post(replica, "/v1/unload_lora_adapter", {"lora_name": name})
+            except EngineUnavailable:
+                continue  # down: a restarted vLLM has forgotten it anyway
+            if response.status_code not in (200, 404):
+                raise TinkerServerError(f"vLLM could not unload adapter {name}: {_error_message(response)}")
 
     def _generate(self, body: dict, adapter: AdapterRef | None) -> dict:
-        """POST one generate request, recovering once from a vLLM restart and an unknown adapter."""
+        """POST one generate request to the least busy replica, sending it again to another one (or to a
+        restarted one) when a replica drops it, and after reloading an adapter a restarted vLLM forgot."""
+        dropped_by: set[int] = set()
         for attempt in range(_MAX_ATTEMPTS):
-            try:
-                if adapter is not None:
-                    body["model"] = self._ensure_adapter(adapter)
-                response = self._post("/inference/v1/generate", body)
-            except EngineUnavailable:
-                if attempt == _MAX_ATTEMPTS - 1:
-                    raise
-                # vLLM died; the supervisor restarts it (or reports why it cannot).
-                self.server.wait_until_ready()
-                continue
+            with self.replicas.take(dropped_by) as replica:
+                try:
+                    if adapter is not None:
+                        body["model"] = self._ensure_adapter(replica, adapter)
+                    response = self._post(replica, "/inference/v1/generate", body)
+                except EngineUnavailable as error:
+                    # Died or restarting: its supervisor restarts it (or reports why it cannot).
+                    replica.endpoint.mark_down()
+                    dropped_by.add(replica.index)
+                    logger.warning("event=vllm_request_dropped replica=%d attempt=%d of %d error=%s", replica.index,
+                                   attempt + 1, _MAX_ATTEMPTS, error)
+                    if attempt == _MAX_ATTEMPTS - 1:
+                        raise
+                    continue
             if response.status_code == 404 and adapter is not None and "does not exist" in response.text:
                 # A restarted vLLM forgot the adapter: load it again, then retry.
-                logger.info("vLLM does not know adapter %s (restarted?); loading it again", adapter.name)
-                with self._adapters_lock:
-                    self._adapters.pop(adapter.name, None)
+                logger.info("vLLM replica %d does not know adapter %s (restarted?); loading it again",
+                            replica.index, adapter.name)
+                with self.replicas.lock:
+                    replica.adapters.pop(adapter.name, None)
                 continue
             if response.status_code == 400:
                 raise InvalidRequest(f"vLLM refused the request: {_error_message(response)}")
@@ -210,55 +234,59 @@ class VLLMEngine:
             return response.json()
         raise EngineUnavailable(f"vLLM did not serve the request after {_MAX_ATTEMPTS} attempts")
 
-    def _ensure_adapter(self, adapter: AdapterRef) -> str:
-        """Load the adapter into vLLM unless this sampler already did; returns the model name to send."""
+    def _ensure_adapter(self, replica: Replica, adapter: AdapterRef) -> str:
+        """Load the adapter into the replica unless this engine already did; returns the model name to send."""
         name, path = adapter.name, Path(adapter.directory).resolve()
-        with self._adapters_lock:
-            loaded = self._adapters.get(name)
-            load_lock = self._load_locks.setdefault(name, threading.Lock())
+        with self.replicas.lock:
+            known = self._adapter_paths.get(name)
+            loaded = replica.adapters.get(name)
+            load_lock = replica.load_locks.setdefault(name, threading.Lock())
+        if known is not None and known != path:
+            raise Conflict(f"adapter name {name} is taken by {known}; every checkpoint needs a new name")
         if loaded == path:
             return name
-        if loaded is not None:
-            raise Conflict(f"adapter name {name} is taken by {loaded}; every checkpoint needs a new name")
-        with load_lock:  # concurrent first uses of one adapter load it once
-            with self._adapters_lock:
-                if self._adapters.get(name) == path:
+        with load_lock:  # concurrent first uses of one adapter on one replica load it once
+            with self.replicas.lock:
+                if replica.adapters.get(name) == path:
                     return name
+                checked = self._adapter_paths.get(name) == path
             if not (path / "adapter_model.safetensors").exists():
                 raise NotFound(f"adapter files at {path} are gone")
-            if adapter.weights is None:
+            if adapter.weights is None and not checked:
                 # A saved checkpoint, read from disk as vLLM will read it: one an older server saved before
                 # optim_step refused to make non-finite weights would sample garbage without an error.
                 load_checkpoint(path, "cpu", with_optimizer=False).adapter.check_finite("the checkpoint's weights")
-            response = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+            response = self._post(replica, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
             if response.status_code == 400 and "already been loaded" in response.text:
                 # Loaded before this sampler's time (a restart of ours, a shared vLLM): trust it only
                 # if it came from the same path.
-                if self._loaded_path(name) != path:
+                if self._loaded_path(replica, name) != path:
                     raise Conflict(f"vLLM already serves an adapter named {name} from another path")
             elif response.status_code == 404:
                 raise NotFound(f"adapter files at {path} are gone")
             elif response.status_code != 200:
                 raise InvalidRequest(f"vLLM cannot load adapter {name} from {path}: {_error_message(response)}")
-            with self._adapters_lock:
-                self._adapters[name] = path
+            with self.replicas.lock:
+                replica.adapters[name] = path
+                self._adapter_paths[name] = path
         return name
 
-    def _loaded_path(self, name: str) -> Path | None:
-        response = self._client.get(f"{self.server.url}/v1/models")
+    def _loaded_path(self, replica: Replica, name: str) -> Path | None:
+        response = self._client.get(f"{replica.endpoint.url}/v1/models")
         for card in response.json()["data"]:
             if card["id"] == name and card.get("parent"):
                 return Path(card["root"]).resolve()
         return None
 
-    def _post(self, route: str, body: dict) -> httpx.Response:
+    def _post(self, replica: Replica, route: str, body: dict) -> httpx.Response:
+        url = replica.endpoint.url
         try:
-            return self._client.post(self.server.url + route, json=body)
+            return self._client.post(url + route, json=body)
         except httpx.TimeoutException as error:
             # Not EngineUnavailable, which is retried: the request may still be running in vLLM.
             raise TinkerServerError(f"vLLM did not answer {route} in time: {error!r}") from error
         except httpx.TransportError as error:
-            raise EngineUnavailable(f"vLLM is unreachable at {self.server.url}: {error!r}") from error
+            raise EngineUnavailable(f"vLLM is unreachable at {url}: {error!r}") from error
 
 
 def _sampling_params(options: SamplingOptions, n: int, seed_offset: int, prompt_logprobs: int | None,

@@ -1,7 +1,7 @@
 """vLLM's OpenAI-compatible HTTP server: started as a child process and kept alive, or reached at a URL.
 
-Owns the command line, the child's environment, the port, the log file, readiness (GET /health)
-and restarts after a crash. vLLM lives in its own virtual environment (scripts/install_vllm.sh)
+Owns the command line, the child's environment (its GPUs: CUDA_VISIBLE_DEVICES), the port, the log
+file, readiness (GET /health) and restarts after a crash; one such process per replica. vLLM lives in its own virtual environment (scripts/install_vllm.sh)
 and is only ever talked to over HTTP, so its pins never meet ours. The model runs as the server's
 variant of its architecture (the vLLM plugin in vllm_plugin/, which that venv holds): LoRA on
 lm_head too, and the media placeholders masked. Knows nothing about sampling requests or
@@ -59,17 +59,42 @@ _LOG_TAIL_BYTES = 4000
 class VLLMEndpoint:
     """A vLLM someone else runs: we can only wait for it to answer."""
 
-    def __init__(self, url: str, config: VLLMConfig):
+    def __init__(self, url: str, config: VLLMConfig, recovery_s: float = 60.0):
         self._url = url.rstrip("/")
         self.config = config
+        self.recovery_s = recovery_s
+        """How long a request waits for this vLLM to answer again after it stopped answering."""
+        self._down_since: float | None = None
+        self._probed_at = 0.0
 
     @property
     def url(self) -> str:
         return self._url
 
+    @property
+    def failure(self) -> str | None:
+        """Why this vLLM will never serve again (None: it may)."""
+        return None
+
+    def mark_down(self) -> None:
+        """A request could not reach it: leave it out until /health answers again."""
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+
+    def is_up(self) -> bool:
+        """Whether to send it requests now; one that stopped answering is asked /health at most once a second."""
+        if self._down_since is None:
+            return True
+        if time.monotonic() - self._probed_at < 1.0:
+            return False
+        self._probed_at = time.monotonic()
+        if _healthy(self.url):
+            self._down_since = None
+        return self._down_since is None
+
     def wait_until_ready(self, timeout_s: float | None = None) -> None:
         """Return once GET /health answers 200; raise EngineUnavailable after `timeout_s` (default 60)."""
-        deadline = time.monotonic() + (60.0 if timeout_s is None else timeout_s)
+        deadline = time.monotonic() + (self.recovery_s if timeout_s is None else timeout_s)
         while not _healthy(self.url):
             if time.monotonic() > deadline:
                 raise EngineUnavailable(f"vLLM at {self.url} does not answer /health")
@@ -82,9 +107,16 @@ class VLLMEndpoint:
 class VLLMProcess(VLLMEndpoint):
     """A vLLM server we started; a watchdog thread restarts it when it dies."""
 
-    def __init__(self, config: VLLMConfig, model: ServedModel, log_path: Path | None = None):
-        super().__init__("http://unstarted", config)
+    def __init__(self, config: VLLMConfig, model: ServedModel, log_path: Path | None = None,
+                 devices: tuple[int, ...] | None = None):
+        """
+        Args:
+            devices: the GPUs it runs on (indices among the GPUs this process sees; None: those it
+                inherits, all of them).
+        """
+        super().__init__("http://unstarted", config, recovery_s=config.startup_timeout_s)
         self.model = model
+        self.devices = devices
         if log_path is None:
             log_path = Path(tempfile.mkdtemp(prefix="vllm-")) / "vllm.log"
         self.log_path = Path(log_path)
@@ -96,7 +128,7 @@ class VLLMProcess(VLLMEndpoint):
         self._process: subprocess.Popen | None = None
         # Starting takes a while (imports, model load, profiling): it happens on the watchdog thread,
         # so that several engines can start at once; wait_until_ready() blocks.
-        self._watchdog = threading.Thread(target=self._watch, name="vllm-watchdog", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name=f"vllm-watchdog-{self.log_path.stem}", daemon=True)
         self._watchdog.start()
         atexit.register(self.close)
 
@@ -104,6 +136,13 @@ class VLLMProcess(VLLMEndpoint):
     def url(self) -> str:
         with self._lock:
             return self._url
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    def is_up(self) -> bool:
+        return self._ready.is_set() and self._failure is None and not self._closing and super().is_up()
 
     @property
     def pid(self) -> int | None:
@@ -154,7 +193,7 @@ class VLLMProcess(VLLMEndpoint):
                     self._process = subprocess.Popen(
                         vllm_command(self.config, self.model, port, needs_scale_out_flag(self.config)),
                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                        env=vllm_environment(self.config), cwd=self.log_path.parent, start_new_session=True)
+                        env=vllm_environment(self.config, self.devices), cwd=self.log_path.parent, start_new_session=True)
                 except OSError as error:
                     raise EngineUnavailable(f"cannot start vLLM with {self.config.python}: {error}") from error
             self._url = f"http://127.0.0.1:{port}"
@@ -223,11 +262,18 @@ class VLLMProcess(VLLMEndpoint):
             return log.read().decode(errors="replace")
 
 
-def build_vllm_server(config: VLLMConfig, model: ServedModel, log_path: Path | None = None) -> VLLMEndpoint:
-    """Start (or reach) vLLM as `config` says; call wait_until_ready() before sampling."""
-    if config.url is not None:
-        return VLLMEndpoint(config.url, config)
-    return VLLMProcess(config, model, log_path=log_path)
+def build_vllm_servers(config: VLLMConfig, model: ServedModel, log_dir: Path) -> list[VLLMEndpoint]:
+    """Start (or reach) the replicas `config` asks for, each on its own GPUs; call wait_until_ready()
+    on each before sampling. Logs: log_dir/vllm.log, or vllm-0.log, vllm-1.log, ... for several."""
+    if config.urls:
+        return [VLLMEndpoint(url, config) for url in config.urls]
+    per_replica = config.tensor_parallel_size
+    servers = []
+    for index in range(config.replicas):
+        devices = None if config.devices is None else config.devices[index * per_replica:(index + 1) * per_replica]
+        log_path = log_dir / ("vllm.log" if config.replicas == 1 else f"vllm-{index}.log")
+        servers.append(VLLMProcess(config, model, log_path=log_path, devices=devices))
+    return servers
 
 
 _VERSION_SCRIPT = """import importlib.metadata as metadata
@@ -290,6 +336,8 @@ def vllm_command(config: VLLMConfig, model: ServedModel, port: int, scale_out_fl
         command += ["--enable-lora", "--max-loras", str(config.max_loras),
                     "--max-lora-rank", str(config.max_lora_rank), "--max-cpu-loras", str(config.max_cpu_loras),
                     "--lora-target-modules", *LORA_TARGET_MODULES]
+    if config.tensor_parallel_size > 1:
+        command += ["--tensor-parallel-size", str(config.tensor_parallel_size)]
     if config.enforce_eager:
         command.append("--enforce-eager")
     if not config.chunked_prefill and not model.hybrid:
@@ -298,8 +346,9 @@ def vllm_command(config: VLLMConfig, model: ServedModel, port: int, scale_out_fl
     return command + extra_args
 
 
-def vllm_environment(config: VLLMConfig) -> dict[str, str]:
-    """The child's environment: ours (PATH, HOME, CUDA_VISIBLE_DEVICES, ...) plus vLLM's switches."""
+def vllm_environment(config: VLLMConfig, devices: tuple[int, ...] | None = None) -> dict[str, str]:
+    """The child's environment: ours (PATH, HOME, CUDA_VISIBLE_DEVICES, ...) plus vLLM's switches, and
+    CUDA_VISIBLE_DEVICES narrowed to `devices` (indices among the GPUs this process sees)."""
     # PYTHONPATH would put our environment's packages in front of the venv's. OMP_NUM_THREADS would
     # override the threads vLLM's CPU backend sizes and pins itself (all cores but one kept for its
     # scheduler and API server): spinning on every core, the engine starved its own API server, which
@@ -312,6 +361,11 @@ def vllm_environment(config: VLLMConfig) -> dict[str, str]:
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
     )
+    if devices is not None:
+        # Our indices count the GPUs we see: under CUDA_VISIBLE_DEVICES=4,5 index 1 is GPU 5.
+        seen = environment.get("CUDA_VISIBLE_DEVICES")
+        names = seen.split(",") if seen else None
+        environment["CUDA_VISIBLE_DEVICES"] = ",".join(names[i] if names else str(i) for i in devices)
     return environment
 
 

@@ -66,13 +66,23 @@ def free_port() -> int:
 
 
 def init_training_group(rank: int, world_size: int, device_type: str, master_addr: str,
-                        master_port: int) -> TrainingGroup:
-    """Join (or, on rank 0, open) the training process group: NCCL on GPUs, gloo on CPUs."""
+                        master_port: int, devices: tuple[int, ...] | None = None) -> TrainingGroup:
+    """Join (or, on rank 0, open) the training process group: NCCL on GPUs, gloo on CPUs.
+
+    Args:
+        devices: the GPU of each local rank (--training-devices); None: local rank r on GPU r.
+    """
     if device_type == "cuda" and torch.cuda.device_count() == 0:
         raise ValueError("--device cuda, but this machine has no CUDA GPU that torch can use "
                          f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use --device cpu")
-    device = torch.device(device_type, rank % torch.cuda.device_count()) if device_type == "cuda" \
-        else torch.device(device_type)
+    device = torch.device(device_type)
+    if device_type == "cuda":
+        seen = torch.cuda.device_count()
+        index = rank % seen if devices is None else devices[rank % len(devices)]
+        if index >= seen:
+            raise ValueError(f"--training-devices {','.join(map(str, devices))}: this machine shows the server "
+                             f"{seen} GPU(s) (0..{seen - 1}, after CUDA_VISIBLE_DEVICES)")
+        device = torch.device("cuda", index)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():

@@ -24,7 +24,8 @@ def run_rank(config: ServerConfig, rank: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
     trainer_config = config.trainer
     group = init_training_group(rank, trainer_config.world_size, config.model.device_type,
-                                trainer_config.master_addr, trainer_config.master_port)
+                                trainer_config.master_addr, trainer_config.master_port,
+                                trainer_config.training_devices)
     trainer = build_trainer(config.model, trainer_config, config.images.feature_cache_bytes, group)
     logger.info("training rank %d of %d ready on %s", rank, group.world_size, group.device)
     trainer.follow_leader()

@@ -47,6 +47,7 @@ CLI_OPTIONS = {
     "--shutdown-timeout-seconds", "--shutdown-timeout",
     "--debug",
     "--local-ranks", "--gpus",
+    "--training-devices",
     "--activation-checkpointing",
     "--max-tokens-per-microbatch", "--microbatch-tokens",
     "--max-tokens-per-pass",
@@ -58,7 +59,10 @@ CLI_OPTIONS = {
     "--sampler-own-process", "--sampler-process",
     "--prefix-cache-gb",
     "--vllm-python",
-    "--vllm-url",
+    "--vllm-urls", "--vllm-url",
+    "--vllm-replicas",
+    "--vllm-tensor-parallel-size",
+    "--vllm-devices", "--sampler-devices",
     "--vllm-max-num-seqs",
     "--vllm-max-loras",
     "--vllm-max-lora-rank",
@@ -235,7 +239,7 @@ def test_the_vllm_batch_size_is_a_flag_that_reaches_vllm_and_the_servers_splitti
     assert config.max_num_seqs == 32  # what VLLMEngine splits larger requests by
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2VLForConditionalGeneration"]}))
     served = ServedModel(directory=tmp_path, name="m", dtype="float32", refused_token_ids=frozenset())
-    command = vllm_command(dataclasses.replace(config, python=Path("python"), url=None), served, port=8100)
+    command = vllm_command(dataclasses.replace(config, python=Path("python"), urls=()), served, port=8100)
     assert command[command.index("--max-num-seqs") + 1] == "32"
 
 

@@ -24,6 +24,7 @@ KUBERNETES_VERSION = "1.30.0"
 MODEL, MODEL_DIR = "Qwen/Qwen3-VL-4B-Instruct", "/models/Qwen3-VL-4B-Instruct"
 # Where vLLM runs beside a trainer on the same GPUs (compose) or on a GPU of its own (Kubernetes).
 DEPLOYMENT_ONLY_VLLM_FLAGS = {"--gpu-memory-utilization"}
+VLLM_POD_URLS = ("http://tinker-vllm-0.tinker-vllm:8100", "http://tinker-vllm-1.tinker-vllm:8100")
 
 
 def manifests() -> list[dict]:
@@ -109,10 +110,28 @@ def test_the_servers_arguments_are_a_valid_command_line_and_the_same_in_compose(
                                  if line.startswith("ENTRYPOINT"))[len("ENTRYPOINT"):])
     args = container("tinker-server", "server")["args"]
     config = parse_config([*entrypoint[3:], *args])
-    assert (config.host, config.port, str(config.data_dir), config.sampler.vllm.url) == \
-        ("0.0.0.0", 8000, "/data", "http://tinker-vllm:8100")
-    compose_args = compose()["services"]["server-gpu"]["command"]
-    assert flags(args) == {**flags(compose_args), "--vllm-url": ("http://tinker-vllm:8100",)}
+    assert (config.host, config.port, str(config.data_dir), config.sampler.vllm.urls) == \
+        ("0.0.0.0", 8000, "/data", VLLM_POD_URLS)
+    for service, url in (("server-gpu", "http://vllm:8100"), ("server-split", "http://vllm-split:8100")):
+        compose_args = compose()["services"][service]["command"]
+        assert flags(compose_args)["--vllm-url"] == (url,)
+        assert flags(args) == {**flags(compose_args), "--vllm-url": VLLM_POD_URLS}
+
+
+def test_the_server_reaches_every_vllm_pod_by_its_own_name():
+    vllm = by_kind("StatefulSet")["tinker-vllm"]
+    service = by_kind("Service")[vllm["spec"]["serviceName"]]
+    assert service["spec"]["clusterIP"] == "None"  # headless: one DNS name per pod
+    assert VLLM_POD_URLS == tuple(f"http://tinker-vllm-{i}.tinker-vllm:8100" for i in range(vllm["spec"]["replicas"]))
+    assert container("tinker-vllm", "vllm")["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+def test_the_split_compose_profile_gives_training_and_vllm_a_gpu_each():
+    services = compose()["services"]
+    devices = {name: services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+               for name in ("server-split", "vllm-split")}
+    assert devices == {"server-split": ["0"], "vllm-split": ["1"]}
+    assert flags(services["vllm-split"]["command"])["--gpu-memory-utilization"] == ("0.9",)
 
 
 def test_vllm_runs_with_the_flags_the_server_would_give_it_in_compose_and_kubernetes(tmp_path):
@@ -120,7 +139,9 @@ def test_vllm_runs_with_the_flags_the_server_would_give_it_in_compose_and_kubern
     served = ServedModel(directory=tmp_path, name=MODEL, dtype="bfloat16", refused_token_ids=frozenset({151655, 151656}))
     # The manifests run vLLM 0.26, which serves token-in/token-out unasked and refuses --enable-scale-out.
     expected = flags(vllm_command(VLLMConfig(python=Path("python")), served, port=8100, scale_out_flag=False)[3:])
-    for deployed in (compose()["services"]["vllm"]["command"], container("tinker-vllm", "vllm")["args"]):
+    services = compose()["services"]
+    for deployed in (services["vllm"]["command"], services["vllm-split"]["command"],
+                     container("tinker-vllm", "vllm")["args"]):
         got = flags(deployed)
         assert got["--model"] == (MODEL_DIR,) and got["--port"] == ("8100",)
         ignore = {"--model", "--host", "--port"}
@@ -131,7 +152,8 @@ def test_vllm_runs_with_the_flags_the_server_would_give_it_in_compose_and_kubern
 def test_vllm_and_the_server_mount_the_data_volume_at_the_same_path():
     # vLLM loads the adapters by the paths the server writes.
     services = compose()["services"]
-    assert "data:/data" in services["vllm"]["volumes"] and "data:/data" in services["server-gpu"]["volumes"]
+    for name in ("vllm", "server-gpu", "vllm-split", "server-split"):
+        assert "data:/data" in services[name]["volumes"]
     data_mount = {c: next(m["mountPath"] for m in container(*c)["volumeMounts"] if m["name"] == "data")
                   for c in (("tinker-server", "server"), ("tinker-vllm", "vllm"))}
     assert set(data_mount.values()) == {"/data"}
@@ -141,7 +163,7 @@ def test_the_compose_file_is_valid_and_checks_healthz():
     schema = compose_schema()
     document = compose()
     jsonschema.validators.validator_for(schema)(schema).validate(document)
-    for name in ("server", "server-gpu"):
+    for name in ("server", "server-gpu", "server-split"):
         assert "/api/v1/healthz" in " ".join(document["services"][name]["healthcheck"]["test"])
 
 
@@ -157,7 +179,7 @@ def test_the_build_context_leaves_out_what_the_readme_steps_create_and_keeps_wha
 
 def test_no_compose_profile_starts_two_services_on_one_host_port():
     services = compose()["services"]
-    for profile in (None, "cpu", "gpu"):
+    for profile in (None, "cpu", "gpu", "gpu-split"):
         started = [service for service in services.values()
                    if not service.get("profiles") or profile in service["profiles"]]
         ports = [port.split(":")[0] for service in started for port in service.get("ports", [])]

@@ -37,6 +37,7 @@ ENGINE_CONFIGS = {
                            kv_cache_space_gib=1, enforce_eager=True, chunked_prefill=False),
 }
 MAX_IMAGES_PER_PROMPT = 2
+QWEN2_VL_REPLICA = "qwen2-vl-replica"
 
 
 @dataclass
@@ -89,6 +90,9 @@ def vllm_servers(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathF
                                                        max_images_per_prompt=MAX_IMAGES_PER_PROMPT),
                                    log_path=logs / f"{family}.log")
                for family, config in ENGINE_CONFIGS.items()}
+    # A second qwen2-vl, so that the replicas' tests sample through two (test_vllm_replicas.py).
+    servers[QWEN2_VL_REPLICA] = VLLMProcess(ENGINE_CONFIGS["qwen2-vl"], servers["qwen2-vl"].model,
+                                            log_path=logs / "qwen2-vl-replica.log")
     yield servers
     for server in servers.values():
         server.close()
@@ -97,7 +101,7 @@ def vllm_servers(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathF
 def _engine(family: str, servers: dict[str, VLLMProcess], model_dirs: dict[str, Path]) -> Iterator[Engine]:
     server = servers[family]
     server.wait_until_ready()
-    sampler = VLLMEngine(server)
+    sampler = VLLMEngine([server])
     images = ImagePreparer(ImageProcessorSpec.from_model_dir(model_dirs[family]), ImageConfig())
     yield Engine(family, model_dirs[family], server, sampler, AutoTokenizer.from_pretrained(model_dirs[family]),
                  images)

@@ -78,7 +78,7 @@ def test_a_merged_export_served_by_vllm_decodes_greedily_as_the_adapter_samples(
     vllm = None
     try:
         server.wait_until_ready()
-        vllm = VLLMEngine(server)
+        vllm = VLLMEngine([server])
         got = [vllm.sample(r).sequences[0] for r in requests()]
     finally:
         if vllm is not None:

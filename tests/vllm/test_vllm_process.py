@@ -1,17 +1,14 @@
-"""The vLLM supervisor: its command line, a failed start, and a restart after a crash."""
+"""The vLLM supervisor: its command line and a failed start (a restart after a crash: test_vllm_replicas.py)."""
 
 import json
 import os
-import signal
 from pathlib import Path
 
 import pytest
 from support.engines import REFUSED_TOKEN_IDS
-from hf_reference import write_adapter
 
 from server.config import VLLMConfig
 from server.errors import EngineUnavailable
-from server.sampling.types import SamplingOptions
 from server.sampling.vllm_process import (ServedModel, VLLMProcess, needs_scale_out_flag, vllm_command,
                                           vllm_environment)
 
@@ -52,7 +49,7 @@ def test_vllm_runs_the_plugins_variant_on_loopback_with_token_in_token_out_raw_l
 
 
 def test_configs_that_vllm_would_refuse_are_refused_up_front():
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="exactly one of python"):
         VLLMConfig()
     with pytest.raises(ValueError, match="max_lora_rank"):
         VLLMConfig(python=Path("p"), max_lora_rank=4)
@@ -67,16 +64,3 @@ def test_a_vllm_that_cannot_start_fails_its_callers_with_the_reason(tmp_path, mo
         server.wait_until_ready(timeout_s=30)
     server.close()
 
-
-def test_a_crashed_vllm_is_restarted_and_its_adapters_reloaded_for_the_waiting_request(qwen2_vl, tmp_path):
-    prompt = qwen2_vl.encode("<|im_start|>user\nCount to three.<|im_end|>\n<|im_start|>assistant\n")
-    options = SamplingOptions(max_tokens=6, temperature=0.0)
-    adapter = ("qwen2-vl-restart", write_adapter(qwen2_vl.model_dir, tmp_path / "adapter", seed=5))
-    before = qwen2_vl.sample(prompt, options, adapter=adapter)
-    old_url, old_restarts = qwen2_vl.server.url, qwen2_vl.server.num_restarts
-
-    os.kill(qwen2_vl.server.pid, signal.SIGKILL)  # the API server; the engine core follows it
-    after = qwen2_vl.sample(prompt, options, adapter=adapter)
-
-    assert after == before
-    assert qwen2_vl.server.num_restarts == old_restarts + 1 and qwen2_vl.server.url != old_url

@@ -167,7 +167,7 @@ def test_prompt_logprobs_go_to_the_fallback_engine_while_vllm_runs_lora(qwen2_vl
     # With lm_head among vLLM's LoRA targets its prompt logprobs use the sampled rows' LoRA mapping
     # (vllm-project/vllm#16668, #51594); sampling itself stays on vLLM.
     fallback = RecordingEngine()
-    engine = VLLMEngine(qwen2_vl.server, fallback)  # not closed: the server is the session's
+    engine = VLLMEngine([qwen2_vl.server], fallback)  # not closed: the server is the session's
     for logprobs in (LogprobOptions(prompt_logprobs=True), LogprobOptions(topk_prompt_logprobs=2)):
         request = SamplingRequest(prompt=qwen2_vl.prompt(prompt), options=SamplingOptions(max_tokens=1),
                                   logprobs=logprobs)
@@ -197,7 +197,7 @@ def test_sampled_top_k_is_the_k_best_of_the_masked_distribution_even_when_the_sa
 
 def test_target_ids_draws_and_wider_top_k_go_to_the_fallback_engine(qwen2_vl, prompt):
     fallback = RecordingEngine()
-    engine = VLLMEngine(qwen2_vl.server, fallback)  # not closed: the server is the session's
+    engine = VLLMEngine([qwen2_vl.server], fallback)  # not closed: the server is the session's
     limit = qwen2_vl.server.config.max_logprobs
     targets = PromptTargets(positions=np.array([1]), token_ids=np.array([5]))
     for logprobs in (LogprobOptions(target_prompt_logprobs=targets), LogprobOptions(prompt_alt_tokens_k=2),
@@ -304,7 +304,7 @@ def test_a_running_vllm_is_reached_by_its_url(qwen2_vl, prompt):
     options = SamplingOptions(max_tokens=6, temperature=0.0)
     endpoint = VLLMEndpoint(qwen2_vl.server.url, qwen2_vl.server.config)
     endpoint.wait_until_ready(timeout_s=10)
-    remote = VLLMEngine(endpoint)
+    remote = VLLMEngine([endpoint])
     try:
         request = SamplingRequest(prompt=qwen2_vl.prompt(prompt), options=options)
         assert remote.sample(request) == qwen2_vl.sample(prompt, options)
