@@ -49,6 +49,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from tests.support.live_server import start_server  # noqa: E402
 from server.config import ImageConfig, ModelConfig, ServerConfig, StoreConfig, TrainerConfig  # noqa: E402
+from server.models.expert_layout import INDEX, write_safetensors  # noqa: E402
 from server.models.image_processor import ImageProcessorSpec  # noqa: E402
 from server.models.tiny import build_tiny_model  # noqa: E402
 from server.rendering.chunks import RenderContext  # noqa: E402
@@ -122,6 +123,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--write-device", default=None,
                         help="where the random weights are made (default --device; cpu for a model one GPU cannot hold)")
+    parser.add_argument("--write-only", action="store_true",
+                        help="write the shapes' model directories under --work-dir and stop (a later run reuses them)")
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--sequence-length", type=int, default=2048)
     parser.add_argument("--min-sequence-length", type=int, default=None,
@@ -147,13 +150,17 @@ def parse_args() -> argparse.Namespace:
 
 
 def write_model(shape: str, out: Path, device: str) -> Path:
-    """A model directory of the shape's family: the built-in tokenizer and processor files, random weights."""
+    """A model directory of the shape's family: the built-in tokenizer and processor files, random weights
+    with a MoE's experts fused as the model holds them (save_pretrained would split them per expert, as
+    releases store them, and every rank would then fuse them again on load: minutes for a 35B)."""
     import transformers
 
-    if (out / "model.safetensors.index.json").exists() or (out / "model.safetensors").exists():
+    if (out / INDEX).exists():  # written last: the directory is complete
         return out
     spec = SHAPES[shape]
     build_tiny_model(spec.get("family", "qwen3-vl"), out)  # tokenizer, chat template, preprocessor config
+    for weights in out.glob("model*.safetensors"):
+        weights.unlink()
     tiny = json.loads((out / "config.json").read_text())
     text = dict(tiny["text_config"], **spec["text"])
     if "layer_types" in text:  # the shape gives the repeating pattern
@@ -163,9 +170,15 @@ def write_model(shape: str, out: Path, device: str) -> Path:
     config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=spec["tie_word_embeddings"],
                           **{k: tiny[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                                   "vision_end_token_id")})
+    start = time.perf_counter()
     with torch.device(device):
         model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out)
+    model.config.save_pretrained(out)  # (the tiny model's generation_config.json stays: its end tokens)
+    unique = {}  # a tied unembedding is the embedding's tensor: written once, as save_pretrained does
+    for name, tensor in model.state_dict().items():
+        unique.setdefault(tensor.data_ptr(), (name, tensor))
+    write_safetensors(unique.values(), out)
+    print(f"wrote {out} in {time.perf_counter() - start:.0f} s", flush=True)
     del model
     if device == "cuda":
         torch.cuda.empty_cache()  # else this process keeps the model's memory from the server it starts next
@@ -430,6 +443,8 @@ def main() -> None:
         # for 4B) while the modes measure.
         model_dir = in_own_process(write_model, shape, args.work_dir / f"model-{shape}",
                                    args.write_device or args.device)
+        if args.write_only:
+            continue
         variants = args.variants.split(",")
         measured = {mode: [] for mode in modes}  # one result per process (--repeats), the modes taking turns
         for repeat in range(args.repeats):
