@@ -106,6 +106,17 @@ SHAPES = {
                  vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
                              deepstack_visual_indexes=[0], num_position_embeddings=64),
                  tie_word_embeddings=True),
+    # The 35B-A3B's structure (hybrid layers, 256 experts, 8 routed), tiny: its path through --gpus 2 on a CPU.
+    "tiny-moe": dict(family="qwen3.5-moe",
+                     text=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=64, vocab_size=4096, num_experts=256, num_experts_per_tok=8,
+                               moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                               layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+                               linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                               linear_conv_kernel_dim=4),
+                     vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                                 num_position_embeddings=64),
+                     tie_word_embeddings=False),
 }
 BASE_NAME = "bench/{shape}"
 ADAM = AdamParams(learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8)
@@ -113,7 +124,7 @@ ADAM = AdamParams(learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8)
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="4b", help="comma-separated: 4b, 8b, qwen3.5-4b, qwen3.6-35b-a3b, tiny")
+    parser.add_argument("--shapes", default="4b", help="comma-separated: 4b, 8b, qwen3.5-4b, qwen3.6-35b-a3b, tiny, tiny-moe")
     parser.add_argument("--variants", default="image,text",
                         help="comma-separated: image (new images every step), image-cached (the same images every "
                              "step), text")
@@ -281,9 +292,11 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
         trainer=TrainerConfig(local_ranks=args.gpus, world_size=args.gpus, master_port=free_port(),
                               max_tokens_per_microbatch=args.microbatch_tokens,
                               activation_checkpointing=args.activation_checkpointing, compile=args.compile))
+    start = time.perf_counter()
     ranks = start_local_ranks(config)
     group = init_training_group(0, args.gpus, config.model.device_type, "127.0.0.1", config.trainer.master_port)
     trainer = build_trainer(config.model, config.trainer, config.images.feature_cache_bytes, group)
+    print(f"rank 0 loaded and sharded {shape} in {time.perf_counter() - start:.0f} s", flush=True)
     base = trainer.base
     preparer = ImagePreparer(base.vision.processor, ImageConfig())
     context = RenderContext.build(base, 1 << 20, preparer)

@@ -91,10 +91,15 @@ def fused_weights_dir(path: Path, cache_dir: Path, parameter_shapes: Callable[[]
     with open(target.parent / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
         if not (target / INDEX).exists():
+            expected = parameter_shapes()
+            if not any(f"{prefix}.gate_up_proj" in expected for prefix in _experts(files)):
+                logger.warning("%s: no per-expert tensors match the model's fused experts by name; transformers "
+                               "converts them on every load (slow for a large model)", path)
+                return path
             partial = target.parent / f"{target.name}.partial-{os.getpid()}"
             shutil.rmtree(partial, ignore_errors=True)
             logger.info("fusing the per-expert tensors of %s into %s (once)", path, target)
-            write_safetensors(_fused_tensors(path, files, parameter_shapes()), partial)
+            write_safetensors(_fused_tensors(path, files, expected), partial)
             for name in CONFIG_FILES:
                 if (path / name).exists():
                     shutil.copy(path / name, partial / name)
@@ -114,13 +119,10 @@ def _fused_tensors(path: Path, files: dict[str, str], expected: dict[str, torch.
             handles[file] = safe_open(path / file, "pt")
         return handles[file].get_tensor(name)
 
-    experts: dict[str, dict[str, dict[int, str]]] = defaultdict(lambda: defaultdict(dict))
     for name in files:
-        if match := PER_EXPERT.match(name):
-            experts[match["experts"]][match["projection"]][int(match["expert"])] = name
-        else:
+        if not PER_EXPERT.match(name):
             yield name, tensor(name)
-    for prefix, projections in experts.items():
+    for prefix, projections in _experts(files).items():
         if f"{prefix}.gate_up_proj" not in expected:
             continue
 
@@ -135,3 +137,12 @@ def _fused_tensors(path: Path, files: dict[str, str], expected: dict[str, torch.
                 raise ValueError(f"{path}: the experts of {prefix} fuse into {name} of shape {tuple(value.shape)}, "
                                  f"but the model's is {tuple(expected[name])}")
             yield name, value
+
+
+def _experts(files: dict[str, str]) -> dict[str, dict[str, dict[int, str]]]:
+    """Per-expert tensor names by experts module, then projection, then expert index."""
+    experts: dict[str, dict[str, dict[int, str]]] = defaultdict(lambda: defaultdict(dict))
+    for name in files:
+        if match := PER_EXPERT.match(name):
+            experts[match["experts"]][match["projection"]][int(match["expert"])] = name
+    return experts

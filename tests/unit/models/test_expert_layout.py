@@ -4,11 +4,12 @@ model cache, with transformers' own logits; a sharded rank's load leaves only th
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoModelForImageTextToText
 
 from server.config import ModelConfig
 from server.models.builtin import ensure_builtin_model
-from server.models.expert_layout import INDEX, PER_EXPERT, weight_map
+from server.models.expert_layout import INDEX, PER_EXPERT, fused_weights_dir, weight_map
 from server.models.loading import load_base_model
 
 INPUT_IDS_BT = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]])
@@ -50,3 +51,13 @@ def test_a_sharded_rank_leaves_only_the_decoder_blocks_on_the_host(per_expert_di
     on_host = {p.device.type for name, p in base.model.named_parameters() if name.startswith(blocks)}
     elsewhere = {p.device.type for name, p in base.model.named_parameters() if not name.startswith(blocks)}
     assert (on_host, elsewhere) == ({"cpu"}, {"meta"})
+
+
+def test_per_expert_tensors_named_unlike_the_models_experts_are_left_to_transformers(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    save_file({f"mtp.layers.0.mlp.experts.{e}.{p}.weight": torch.zeros(2, 2) for e in range(2)
+               for p in ("gate_proj", "up_proj", "down_proj")}, checkpoint / "model.safetensors")
+    shapes = {"model.layers.0.mlp.experts.gate_up_proj": torch.Size([2, 4, 2])}
+    assert fused_weights_dir(checkpoint, tmp_path / "cache", lambda: shapes) == checkpoint
+    assert not list((tmp_path / "cache" / "fused-experts").glob("*/" + INDEX))
