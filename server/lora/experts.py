@@ -41,14 +41,19 @@ class ExpertProjection(AdapterSettings):
     that the adapter machinery treats both alike; it computes nothing on its own (LoraExperts does).
     """
 
-    def __init__(self, name: str, num_experts: int, in_features: int, out_features: int, device: torch.device):
+    def __init__(self, name: str, experts: nn.Module, in_features: int, out_features: int):
         self.name = name
-        self.num_experts = num_experts
+        self.experts = experts
+        self.num_experts = experts.gate_up_proj.shape[0]
         self.in_features = in_features
         self.out_features = out_features
-        self.device = device
         self.clear_adapter()  # grouped_A is [E, J, in] here, grouped_B [E, out, J]
         self.siblings = None  # experts share no input with another LoRA layer
+
+    @property
+    def device(self) -> torch.device:
+        """Where the experts are now (a sharded rank's are moved after wrapping)."""
+        return self.experts.gate_up_proj.device
 
     def per_expert(self, lora_A: torch.Tensor, lora_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One adapter's factors as [E, r, in] and [E, out, r]."""
@@ -76,10 +81,9 @@ class LoraExperts(nn.Module):
     def __init__(self, base: nn.Module, name: str):
         super().__init__()
         self.base = base
-        num_experts, double_intermediate, hidden = base.gate_up_proj.shape
-        device = base.gate_up_proj.device
-        self.gate_up = ExpertProjection(name + GATE_UP_SUFFIX, num_experts, hidden, double_intermediate, device)
-        self.down = ExpertProjection(name, num_experts, double_intermediate // 2, hidden, device)
+        _, double_intermediate, hidden = base.gate_up_proj.shape
+        self.gate_up = ExpertProjection(name + GATE_UP_SUFFIX, base, hidden, double_intermediate)
+        self.down = ExpertProjection(name, base, double_intermediate // 2, hidden)
 
     def forward(self, hidden_NH: torch.Tensor, top_k_index_NK: torch.Tensor,
                 top_k_weights_NK: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from server.config import ModelConfig
 from server.models.image_processor import ImageProcessorSpec
 from server.models.registry import ModelFamily, VisionSpec, family_for
 from server.models.builtin import builtin_name, ensure_builtin_model, register_in_hub_cache, served_name
+from server.models.expert_layout import fused_weights_dir
 from server.progress import Progress, on_terminal
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,15 @@ def resolve_model_dir(config: ModelConfig) -> Path:
                          f"pass --model-path DIR") from exc
 
 
-def load_base_model(config: ModelConfig, device: torch.device | str | None = None) -> LoadedModel:
-    """Load the frozen base model in `config.dtype` on `device` (default `config.device`)."""
+def load_base_model(config: ModelConfig, device: torch.device | str | None = None,
+                    blocks_on_host: bool = False) -> LoadedModel:
+    """Load the frozen base model in `config.dtype` on `device` (default `config.device`).
+
+    Args:
+        blocks_on_host: leave the decoder blocks where the load put them (memory-mapped from the
+            checkpoint when its dtype is `config.dtype`) for FSDP to move block by block while it
+            shards them: a rank then never holds the whole model, on its device or in its own memory.
+    """
     device = device if device is not None else config.device
     with Progress("model_load", f"Loading {config.base_model}", logger, base_model=config.base_model,
                   device=device, dtype=config.dtype) as step:
@@ -81,15 +89,41 @@ def load_base_model(config: ModelConfig, device: torch.device | str | None = Non
         hf_config = transformers.AutoConfig.from_pretrained(path)
         family = family_for(hf_config.model_type)
         auto_class = getattr(transformers, family.auto_class)
-        model = auto_class.from_pretrained(path, dtype=getattr(torch, config.dtype), attn_implementation="sdpa")
+        weights = fused_weights_dir(path, config.model_cache_dir, lambda: _parameter_shapes(auto_class, hf_config))
+        if weights != path:
+            step.note(f"fused experts from {weights}")
+        model = auto_class.from_pretrained(weights, dtype=getattr(torch, config.dtype), attn_implementation="sdpa")
         step.note(f"moving to {device}")
-        model.to(device).eval().requires_grad_(False)
+        if blocks_on_host:
+            _move_all_but(model, family.language_model_prefix.rstrip("."), device)
+        else:
+            model.to(device)
+        model.eval().requires_grad_(False)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     eos = model.generation_config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else (tokenizer.eos_token_id,))
     return LoadedModel(name=served_name(config.base_model), path=path, family=family, model=model, tokenizer=tokenizer,
                        vocab_size=model.get_input_embeddings().num_embeddings, eos_token_ids=eos_ids,
                        vision=_load_vision(family.vision, path, hf_config, tokenizer))
+
+
+def _parameter_shapes(auto_class, hf_config) -> dict[str, torch.Size]:
+    """The model's parameters and buffers by name and shape, from a skeleton that allocates nothing."""
+    with torch.device("meta"):
+        skeleton = auto_class.from_config(hf_config)
+    return {name: tensor.shape for name, tensor in skeleton.state_dict().items()}
+
+
+def _move_all_but(model: torch.nn.Module, blocks: str, device: torch.device | str) -> None:
+    """Move every parameter and buffer to `device` except those of the module list `blocks`."""
+    parent, _, leaf = blocks.rpartition(".")
+    holder = model.get_submodule(parent)
+    kept = getattr(holder, leaf)
+    setattr(holder, leaf, torch.nn.ModuleList())
+    try:
+        model.to(device)
+    finally:
+        setattr(holder, leaf, kept)
 
 
 def _load_vision(spec: VisionSpec | None, path: Path, hf_config, tokenizer) -> LoadedVision | None:

@@ -133,7 +133,8 @@ def _restore_optimizer(optimizer: torch.optim.AdamW, copy: list[tuple[torch.Tens
 def build_trainer(model: ModelConfig, config: TrainerConfig, feature_cache_bytes: int,
                   group: TrainingGroup) -> "Trainer":
     """Load the base model on this rank's device and shard it for training."""
-    base = load_base_model(model, device=group.device)
+    # Over several ranks the decoder blocks reach the device one at a time, each as FSDP shards it.
+    base = load_base_model(model, device=group.device, blocks_on_host=group.world_size > 1)
     vision = VisionEncoder(base.model, feature_cache_bytes) if base.vision is not None else None
     return Trainer(base, config, group, vision)
 
