@@ -4,6 +4,7 @@ Knows the three places a model can come from: a built-in model (built on first u
 explicit `--model-path` directory, or the local hub cache. Never touches the network.
 """
 
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import torch
 import transformers
+
+from packaging.version import Version
 
 from server.config import ModelConfig
 from server.models.image_processor import ImageProcessorSpec
@@ -88,6 +91,8 @@ def load_base_model(config: ModelConfig, device: torch.device | str | None = Non
         step.note(f"weights from {path}")
         hf_config = transformers.AutoConfig.from_pretrained(path)
         family = family_for(hf_config.model_type)
+        if family.hybrid:
+            _check_linear_attention_kernels(torch.device(device))
         auto_class = getattr(transformers, family.auto_class)
         weights = fused_weights_dir(path, config.model_cache_dir, lambda: _parameter_shapes(auto_class, hf_config))
         if weights != path:
@@ -105,6 +110,32 @@ def load_base_model(config: ModelConfig, device: torch.device | str | None = Non
     return LoadedModel(name=served_name(config.base_model), path=path, family=family, model=model, tokenizer=tokenizer,
                        vocab_size=model.get_input_embeddings().num_embeddings, eos_token_ids=eos_ids,
                        vision=_load_vision(family.vision, path, hf_config, tokenizer))
+
+
+def _check_linear_attention_kernels(device: torch.device) -> None:
+    """Refuse at start-up what would fail at the first backward: flash-linear-attention, which transformers uses
+    for Qwen3.5's linear attention whenever it imports, with a Triton its backward refuses on this GPU."""
+    if device.type != "cuda" or importlib.util.find_spec("fla") is None:
+        return
+    import triton
+
+    problem = linear_attention_kernels_problem(torch.cuda.get_device_capability(device), triton.__version__)
+    if problem:
+        raise ValueError(problem)
+
+
+def linear_attention_kernels_problem(capability: tuple[int, int], triton_version: str) -> str | None:
+    """Why flash-linear-attention cannot train on a GPU of this compute capability with this Triton, if it cannot.
+
+    On Hopper (9.x) its gated backward refuses Triton 3.4.0 up to 3.7.0: those give wrong gradients there.
+    """
+    version = Version(triton_version)
+    if capability[0] == 9 and Version("3.4.0") <= version < Version("3.7.1"):
+        return (f"flash-linear-attention is installed, and on this Hopper GPU its backward for Qwen3.5's linear "
+                f"attention refuses Triton {triton_version} (3.4.0 to 3.7.0 compute wrong gradients there): install "
+                f"Triton 3.7.1 or newer (`pip install triton==3.7.1`), or uninstall flash-linear-attention and "
+                f"fla-core to train with transformers' slower PyTorch path")
+    return None
 
 
 def _parameter_shapes(auto_class, hf_config) -> dict[str, torch.Size]:
