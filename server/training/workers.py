@@ -9,10 +9,12 @@ started with the same rendezvous (see the README).
 
 import logging
 import multiprocessing
+import os
 
 import torch.distributed as dist
 
 from server.config import ServerConfig, parse_config, rank_from_environment
+from server.training.lifelines import exit_when_leader_dies
 from server.training.parallel import init_training_group
 from server.training.trainer import build_trainer
 
@@ -25,9 +27,11 @@ def run_rank(config: ServerConfig, rank: int) -> None:
     trainer_config = config.trainer
     group = init_training_group(rank, trainer_config.world_size, config.model.device_type,
                                 trainer_config.master_addr, trainer_config.master_port)
+    exit_when_leader_dies(group.lifelines)
     trainer = build_trainer(config.model, trainer_config, config.images.feature_cache_bytes, group)
-    logger.info("training rank %d of %d ready on %s", rank, group.world_size, group.device)
+    logger.info("training rank %d of %d ready on %s (pid %d)", rank, group.world_size, group.device, os.getpid())
     trainer.follow_leader()
+    group.lifelines.stop()  # rank 0 said stop: its exit to come is no death
     dist.destroy_process_group()
 
 
