@@ -1,10 +1,11 @@
 """Training ranks other than 0: one process per extra local GPU, started by the server itself.
 
 Each loads the base model on its own device, shards it with the other ranks (FSDP2) and then runs
-rank 0's collective calls until the server stops. On further nodes, torchrun starts the same
-ranks: `torchrun --nnodes N --node-rank K --nproc-per-node G --master-addr HOST --master-port PORT
--m server.training.workers --base-model ... [the server's model flags]`, with the server on node 0
-started with the same rendezvous (see the README).
+rank 0's collective calls until the server stops, or ends when rank 0 dies (lifelines.py). On further
+nodes, torchrun starts the same ranks: `TORCH_ELASTIC_WORKER_IDENTICAL=1 torchrun --nnodes N --node-rank K
+--nproc-per-node G --master-addr HOST --master-port PORT -m server.training.workers --base-model ...
+[the server's model flags]`, with the server on node 0 started with the same rendezvous (see the README;
+the variable has torchrun number the ranks itself, as no torchrun runs on node 0 to do it).
 """
 
 import logging

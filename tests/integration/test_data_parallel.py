@@ -13,25 +13,31 @@ from support.vision_sdk import ImagePrompts
 
 
 @pytest.fixture(scope="module")
-def two_ranks(models_dir, tmp_path_factory):
-    """A server with two training ranks (it builds the model the other servers load)."""
+def one_rank(models_dir, tmp_path_factory) -> dict:
+    """What one training rank trains; it builds the model the other servers load first (ranks that start
+    together must not both build it)."""
+    server = start_ranks(models_dir, tmp_path_factory, 1)
+    try:
+        return train(server)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(one_rank, models_dir, tmp_path_factory):
+    """A server with two training ranks, kept for the test that kills one."""
     server = start_ranks(models_dir, tmp_path_factory, 2)
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def runs(two_ranks, models_dir, tmp_path_factory):
-    one_rank = start_ranks(models_dir, tmp_path_factory, 1)
-    try:
-        return {1: train(one_rank), 2: train(two_ranks)}
-    finally:
-        one_rank.stop()
+def runs(one_rank, two_ranks) -> dict[int, dict]:
+    return {1: one_rank, 2: train(two_ranks)}
 
 
 @pytest.fixture(scope="module")
-def two_nodes(runs, models_dir, tmp_path_factory):
-    """After `runs`, which built the model that both nodes load."""
+def two_nodes(one_rank, models_dir, tmp_path_factory):
     nodes = start_two_nodes(tmp_path_factory.mktemp("two-nodes") / "data", models_dir)
     yield nodes
     nodes.server.stop()

@@ -83,9 +83,15 @@ class TwoNodes:
     node_log: Path
 
 
-def start_two_nodes(data_dir: Path, models_dir: Path) -> TwoNodes:
-    """Two "nodes" on this host with the README's commands (gloo); node 1 has a data directory of its own,
-    sharing only the built-in models (which must be built already: both nodes would build them at once)."""
+def start_two_nodes(data_dir: Path, models_dir: Path, *model_args: str,
+                    environments: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> TwoNodes:
+    """Two "nodes" on this host with the README's commands; node 1 has a data directory of its own, sharing
+    only the built-in models (which must be built already: both nodes would build them at once).
+
+    Args:
+        model_args: the model flags both nodes get (`--device cuda --dtype bfloat16`).
+        environments: more variables for node 0 and node 1 (each its own GPU).
+    """
     port = free_port()
     node_dir = data_dir.with_name(f"{data_dir.name}-node-1")
     node_dir.mkdir(parents=True)
@@ -94,12 +100,14 @@ def start_two_nodes(data_dir: Path, models_dir: Path) -> TwoNodes:
     node = subprocess.Popen(
         [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1",
          "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "server.training.workers",
-         "--base-model", BASE_MODEL, "--data-dir", str(node_dir)],
-        cwd=REPO_ROOT, env=dict(os.environ, TORCH_ELASTIC_WORKER_IDENTICAL="1", OMP_NUM_THREADS="2"),
+         "--base-model", BASE_MODEL, "--data-dir", str(node_dir), *model_args],
+        cwd=REPO_ROOT, env=dict(os.environ, TORCH_ELASTIC_WORKER_IDENTICAL="1", OMP_NUM_THREADS="2",
+                                **environments[1]),
         stdout=node_log.open("w"), stderr=subprocess.STDOUT)
     try:
-        server = start_server(data_dir, f"sqlite:///{data_dir}/server.db", models_dir, base_model=BASE_MODEL,
-                              environment={"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        server = start_server(data_dir, f"sqlite:///{data_dir}/server.db", models_dir, *model_args,
+                              base_model=BASE_MODEL, environment={"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                                                  "MASTER_PORT": str(port), **environments[0]})
     except BaseException:
         node.kill()
         raise
