@@ -28,6 +28,10 @@ class AnnouncingServer(uvicorn.Server):
         super().__init__(config)
         self.server_config, self.started_at = server_config, started
 
+    def stop_serving(self) -> None:
+        """Shut down as on SIGTERM, from any thread (uvicorn's loop looks at the flag several times a second)."""
+        self.should_exit = True
+
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:
@@ -87,7 +91,13 @@ def main() -> None:
     server = AnnouncingServer(uvicorn.Config(app, log_level="warning", http=http,
                                              timeout_graceful_shutdown=OPEN_CONNECTIONS_GRACE_SECONDS),
                               config, started)
+    app.state.stop_serving = server.stop_serving  # for a server that must stop on its own (a training rank died)
     server.run(sockets=[sock])
+    if message := getattr(app.state, "exit_message", None):
+        # It stopped on its own (a training rank died): a supervisor sees a failure, the operator what to do.
+        print(message, file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(1)
     if getattr(app.state, "abandoned_threads", False):
         # A request still running past --shutdown-timeout-seconds was failed in the journal; its thread would
         # otherwise hold the interpreter's exit until it ends.

@@ -12,6 +12,7 @@ request its seq_id so its run goes on. `HotRoutes` serves the sampling hot path 
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -30,7 +31,7 @@ from server.api.deps import Services, authenticate, journal_refusal
 from server.banner import start_banner
 from server.checkpoints.lifecycle import Checkpoints, sweep_expired
 from server.config import ServerConfig
-from server.errors import Conflict, InvalidRequest, TinkerServerError, without_server_paths
+from server.errors import Conflict, InvalidRequest, TinkerServerError, rank_lost_cause, without_server_paths
 from server.metrics import ServerMetrics
 from server.rendering.chunks import RenderContext
 from server.rendering.images import ImagePreparer
@@ -107,6 +108,17 @@ def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
                     ownership=ownership,
                     checkpoint_pins=pins, signer=Signer.from_data_dir(config.data_dir),
                     checkpoints=Checkpoints(store, config.store.checkpoint_dir, pins, config.limits, forget))
+
+
+def _stop_for_lost_rank(app: FastAPI, rank: int) -> None:
+    """A training rank died: its group cannot go on, so the server stops as on SIGTERM, failing what it holds
+    with the cause, and exits with a status that says it failed (`stop_serving` and the exit are __main__'s)."""
+    app.state.lost_rank = rank
+    app.state.exit_message = (f"{rank_lost_cause(rank)}: the server stopped. Start it again with the same command, "
+                              f"and on every other node its torchrun; clients send their failed requests again and "
+                              f"resume runs from their last checkpoint.")
+    logger.error("event=training_rank_lost rank=%d %s", rank, app.state.exit_message)
+    app.state.stop_serving()
 
 
 async def _retention_loop(services: Services) -> None:
@@ -256,6 +268,9 @@ def create_app(config: ServerConfig,
                         asyncio.create_task(_session_expiry_loop(services)),
                         asyncio.create_task(_checkpoint_sweep_loop(services)),
                         asyncio.create_task(services.scheduler.watch(gap_check_seconds))]
+        lifelines = services.trainer.group.lifelines
+        if lifelines is not None:
+            lifelines.watch(functools.partial(_stop_for_lost_rank, app))
         key = await asyncio.to_thread(_bootstrap_key, services)
         print(start_banner(config, services.base.path, services.base.family.model_type, key, BOOTSTRAP_TENANT),
               flush=True)
@@ -269,11 +284,15 @@ def create_app(config: ServerConfig,
             started = time.perf_counter()
             for task in housekeeping:
                 task.cancel()
-            report = services.scheduler.close(config.shutdown_timeout_seconds)
+            lost_rank = getattr(app.state, "lost_rank", None)
+            report = services.scheduler.close(config.shutdown_timeout_seconds,
+                                              cause=rank_lost_cause(lost_rank) if lost_rank is not None else None)
             sampled, unsampled = services.sampling.close(config.shutdown_timeout_seconds)
             app.state.abandoned_threads = report.interrupted > 0
             services.sampler.close()
-            if not report.interrupted:  # the training thread is free to tell the other ranks to stop
+            # The training thread is free to tell the other ranks to stop (with one dead, they stop when this
+            # process ends: see lifelines.py).
+            if not report.interrupted and lost_rank is None:
                 services.trainer.stop_followers()
                 for process in services.training_ranks:
                     process.join(timeout=30)

@@ -92,6 +92,22 @@ class ShuttingDown(TinkerServerError):
     status_code = 503
 
 
+class TrainingRankLost(ShuttingDown):
+    """A training rank died: the training group cannot go on without it, so the server stops."""
+
+    def __init__(self, rank: int, ran: bool):
+        if ran:
+            super().__init__(f"{rank_lost_cause(rank)} while this request ran; its effect is lost and the server "
+                             f"stops: send the request again once it is back (resume a run from its last checkpoint)")
+        else:
+            super().__init__(f"{rank_lost_cause(rank)}: the server shut down before this request ran; send it again "
+                             f"once it is back")
+
+
+def rank_lost_cause(rank: int) -> str:
+    return f"training rank {rank} died (killed, out of memory, or its node went down)"
+
+
 def without_server_paths(message: str, *directories: object) -> str:
     """A message for a client, with the server's own directories replaced by a placeholder."""
     for directory in directories:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, save_file
 
 from server.errors import InvalidRequest
 from server.lora.experts import peft_target_parameters
@@ -103,16 +103,30 @@ def save_state(directory: Path, state: AdapterState) -> int:
     return save_peft_adapter(directory, state.adapter, state.base_model, state.lora_config, state.num_steps)
 
 
-def load_checkpoint(directory: Path, device: torch.device | str, with_optimizer: bool) -> LoadedCheckpoint:
-    """Read a checkpoint written by this module; `with_optimizer` needs a training checkpoint."""
+CheckpointFiles = dict[str, bytes]
+"""A checkpoint's files by name, as read from disk: what rank 0 sends the other training ranks, so that
+only its own node needs the checkpoint directory."""
+
+
+def read_checkpoint(directory: Path, with_optimizer: bool) -> CheckpointFiles:
+    """The files that loading a checkpoint needs; `with_optimizer` needs a training checkpoint."""
     directory = Path(directory)
-    peft_config = json.loads((directory / ADAPTER_CONFIG).read_text())
-    weights = load_file(str(directory / ADAPTER_WEIGHTS))
-    adapter = LoraAdapter.from_peft_state_dict(weights, peft_config["r"], peft_config["lora_alpha"], device,
-                                               trainable=True)
-    meta_path = directory / META
-    if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
+    if with_optimizer and not (directory / OPTIMIZER_STATE).exists():
+        raise InvalidRequest("this checkpoint has no optimizer state (it is a sampler checkpoint); "
+                             "load it without the optimizer")
+    names = [ADAPTER_CONFIG, ADAPTER_WEIGHTS] + ([OPTIMIZER_STATE] if with_optimizer else [])
+    if (directory / META).exists():  # a PEFT adapter made elsewhere has none
+        names.append(META)
+    return {name: (directory / name).read_bytes() for name in names}
+
+
+def parse_checkpoint(files: CheckpointFiles, device: torch.device | str) -> LoadedCheckpoint:
+    """A checkpoint's adapter (and optimizer moments, if its files hold them) on `device`."""
+    peft_config = json.loads(files[ADAPTER_CONFIG])
+    adapter = LoraAdapter.from_peft_state_dict(load(files[ADAPTER_WEIGHTS]), peft_config["r"],
+                                               peft_config["lora_alpha"], device, trainable=True)
+    if META in files:
+        meta = json.loads(files[META])
         lora_config, num_steps = LoraConfig.model_validate(meta["lora_config"]), meta["num_steps"]
     else:
         kinds = {name.rpartition(".")[2] for name in adapter.lora_A}
@@ -121,12 +135,14 @@ def load_checkpoint(directory: Path, device: torch.device | str, with_optimizer:
                                  train_mlp=bool(kinds & {"gate_proj", "up_proj", "down_proj"}))
         num_steps = 0
     optimizer_state = None
-    if with_optimizer:
-        if not (directory / OPTIMIZER_STATE).exists():
-            raise InvalidRequest("this checkpoint has no optimizer state (it is a sampler checkpoint); "
-                                 "load it without the optimizer")
-        optimizer_state = load_file(str(directory / OPTIMIZER_STATE), device=str(device))
+    if OPTIMIZER_STATE in files:
+        optimizer_state = {name: tensor.to(device) for name, tensor in load(files[OPTIMIZER_STATE]).items()}
     return LoadedCheckpoint(adapter, lora_config, optimizer_state, num_steps)
+
+
+def load_checkpoint(directory: Path, device: torch.device | str, with_optimizer: bool) -> LoadedCheckpoint:
+    """Read a checkpoint written by this module; `with_optimizer` needs a training checkpoint."""
+    return parse_checkpoint(read_checkpoint(directory, with_optimizer), device)
 
 
 def optimizer_moments(adapter: LoraAdapter, moments: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:

@@ -152,10 +152,15 @@ class Scheduler:
         """Outcomes held in memory because the journal could not take them (its disk is full)."""
         return self.futures.num_unjournaled
 
-    def close(self, timeout: float = 30.0) -> ShutdownReport:
-        """Accept no more work, fail what is queued, give running requests `timeout` seconds, fail the rest."""
+    def close(self, timeout: float = 30.0, cause: str | None = None) -> ShutdownReport:
+        """Accept no more work, fail what is queued, give running requests `timeout` seconds, fail the rest.
+
+        Args:
+            cause: why the server stops, when it is not asked to (it opens each failed request's message).
+        """
         self._closing = True
-        stopping = ShuttingDown("the server shut down before this request ran; send it again once it is back")
+        why = f"{cause}: " if cause else ""
+        stopping = ShuttingDown(f"{why}the server shut down before this request ran; send it again once it is back")
         queued = self._order.drain()
         ready, running = self._loop.stop()
         queued += ready
@@ -164,7 +169,7 @@ class Scheduler:
             if request.release is not None:
                 request.release()
         unfinished = self._loop.abandon(running, timeout)
-        interrupted = ShuttingDown(f"the server shut down while this request ran (it did not finish within "
+        interrupted = ShuttingDown(f"{why}the server shut down while this request ran (it did not finish within "
                                    f"{timeout:g} s); its effect is lost: send it again once the server is back")
         for request_id in unfinished:
             self.futures.record(request_id, Outcome.failure(interrupted))

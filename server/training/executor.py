@@ -6,7 +6,7 @@ thread only. Knows nothing about HTTP, futures or the database: results go back 
 who turns them into responses.
 """
 
-from server.errors import TinkerServerError
+from server.errors import TinkerServerError, TrainingRankLost
 from server.lora.checkpoint_io import AdapterState
 from server.lora.layers import LoraAdapter
 from server.training.losses import resolve_loss
@@ -20,12 +20,26 @@ Result = ForwardBackwardResult | dict[str, float] | AdapterState | LoraAdapter |
 copy to write, snapshot the frozen adapter, load_state the run's LoRA config, the others nothing."""
 
 
+# How long a failed collective waits to learn whether a rank died (a bound, not a delay: a death is seen at once).
+_LOST_RANK_WAIT_SECONDS = 10.0
+
+
 class TrainingExecutor:
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
 
     def run(self, operation: Operation) -> Result:
         """Run one operation that is not a forward_backward."""
+        try:
+            self._check_group()
+            return self._run(operation)
+        except Exception as error:
+            explained = self._explained(error)
+            if explained is error:
+                raise
+            raise explained from error
+
+    def _run(self, operation: Operation) -> Result:
         trainer = self.trainer
         match operation:
             case CreateModel(model_id, lora_config, seed):
@@ -64,9 +78,26 @@ class TrainingExecutor:
                 outcomes[index] = error
         if ready:
             try:
+                self._check_group()
                 results = self.trainer.forward_backward_pass([operations[index] for index in ready])
             except Exception as error:
-                results = [error] * len(ready)
+                results = [self._explained(error)] * len(ready)
             for index, result in zip(ready, results):
                 outcomes[index] = result
         return outcomes
+
+    def _check_group(self) -> None:
+        """Refuse to start collectives that a dead rank would never join."""
+        lifelines = self.trainer.group.lifelines
+        if lifelines is not None and lifelines.lost.is_set():
+            raise TrainingRankLost(lifelines.lost_rank, ran=False)
+
+    def _explained(self, error: Exception) -> Exception:
+        """`error`, or the death of a training rank if that is what broke the operation's collectives."""
+        lifelines = self.trainer.group.lifelines
+        if lifelines is None or isinstance(error, TinkerServerError):
+            return error
+        # The dead rank's lifeline was closed with its other connections: its end is here or on its way.
+        if lifelines.lost.wait(_LOST_RANK_WAIT_SECONDS):
+            return TrainingRankLost(lifelines.lost_rank, ran=True)
+        return error

@@ -20,6 +20,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from server.training.lifelines import Lifelines
+
 # Generous: rank 0 may wait a long time between two training requests.
 _COMMAND_TIMEOUT = timedelta(days=365)
 
@@ -35,6 +37,8 @@ class TrainingGroup:
     """The data-parallel mesh the base model is sharded over."""
     objects: dist.ProcessGroup
     """A gloo group for Python objects (commands, datums, outputs), whatever the device backend."""
+    lifelines: Lifelines | None = None
+    """How this rank learns that another died (None at world size 1)."""
 
     @property
     def is_leader(self) -> bool:
@@ -92,7 +96,10 @@ def init_training_group(rank: int, world_size: int, device_type: str, master_add
     objects = dist.new_group(backend="gloo", timeout=_COMMAND_TIMEOUT) if device.type == "cuda" \
         else dist.group.WORLD
     mesh = init_device_mesh(device.type, (world_size,))
-    return TrainingGroup(rank=rank, world_size=world_size, device=device, mesh=mesh, objects=objects)
+    group = TrainingGroup(rank=rank, world_size=world_size, device=device, mesh=mesh, objects=objects)
+    if world_size > 1:
+        group.lifelines = Lifelines.connect(rank, world_size, master_addr, share_port=group.broadcast)
+    return group
 
 
 def prepare_blocks(root: nn.Module, decoder_layers: nn.ModuleList, ignored: nn.Module | None, mesh: DeviceMesh,

@@ -185,10 +185,10 @@ class Trainer:
         match command:
             case CreateModel(model_id, lora_config, seed):
                 self.create_model(model_id, lora_config, seed)
-            case LoadState(model_id, directory, with_optimizer, create=True):
-                self.create_model_from_checkpoint(model_id, directory, with_optimizer)
-            case LoadState(model_id, directory, with_optimizer, create=False):
-                self.load_state(model_id, directory, with_optimizer)
+            case LoadState(model_id, _, _, create):
+                # The checkpoint's files come from rank 0: only its node needs the checkpoint directory.
+                loaded = checkpoint_io.parse_checkpoint(self.group.broadcast(), self.device)
+                self._install(model_id, loaded.lora_config if create else self.get(model_id).lora_config, loaded)
             case OptimStep(model_id, params):
                 self.optim_step(model_id, params)
             case Unload(model_id):
@@ -200,6 +200,7 @@ class Trainer:
 
     def stop_followers(self) -> None:
         if self.group.is_leader and self.group.world_size > 1:
+            self.group.lifelines.stop()
             self.group.broadcast(None)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -450,21 +451,29 @@ class Trainer:
     def load_state(self, model_id: str, directory, with_optimizer: bool) -> None:
         """Replace an existing run's weights (and optimizer moments) with a checkpoint's (on every rank)."""
         run = self.get(model_id)
-        loaded = checkpoint_io.load_checkpoint(directory, self.device, with_optimizer)
+        files = checkpoint_io.read_checkpoint(directory, with_optimizer)
+        loaded = checkpoint_io.parse_checkpoint(files, self.device)
         _check_finite(loaded)
         if loaded.lora_config.rank != run.lora_config.rank or loaded.adapter.lora_A.keys() != run.adapter.lora_A.keys():
             raise InvalidRequest(f"checkpoint has rank {loaded.lora_config.rank} and other layers than run "
                                  f"{model_id} (rank {run.lora_config.rank})")
-        self._lead(LoadState(model_id, directory, with_optimizer, create=False))
+        self._lead_load(LoadState(model_id, directory, with_optimizer, create=False), files)
         self._install(model_id, run.lora_config, loaded)
 
     def create_model_from_checkpoint(self, model_id: str, directory, with_optimizer: bool) -> LoraConfig:
         """Start a run from a checkpoint (create-via-load, on every rank); returns the LoRA config it carried."""
-        loaded = checkpoint_io.load_checkpoint(directory, self.device, with_optimizer)
+        files = checkpoint_io.read_checkpoint(directory, with_optimizer)
+        loaded = checkpoint_io.parse_checkpoint(files, self.device)
         _check_finite(loaded)
-        self._lead(LoadState(model_id, directory, with_optimizer, create=True))
+        self._lead_load(LoadState(model_id, directory, with_optimizer, create=True), files)
         self._install(model_id, loaded.lora_config, loaded)
         return loaded.lora_config
+
+    def _lead_load(self, command: LoadState, files: checkpoint_io.CheckpointFiles) -> None:
+        """Have the other ranks load the checkpoint too, from the files rank 0 read."""
+        if self.group.is_leader and self.group.world_size > 1:
+            self._lead(command)
+            self.group.broadcast(files)
 
     def _install(self, model_id: str, lora_config: LoraConfig, loaded: checkpoint_io.LoadedCheckpoint) -> None:
         optimizer = _new_optimizer(loaded.adapter)

@@ -1,18 +1,21 @@
 """Training ranks other than 0: one process per extra local GPU, started by the server itself.
 
 Each loads the base model on its own device, shards it with the other ranks (FSDP2) and then runs
-rank 0's collective calls until the server stops. On further nodes, torchrun starts the same
-ranks: `torchrun --nnodes N --node-rank K --nproc-per-node G --master-addr HOST --master-port PORT
--m server.training.workers --base-model ... [the server's model flags]`, with the server on node 0
-started with the same rendezvous (see the README).
+rank 0's collective calls until the server stops, or ends when rank 0 dies (lifelines.py). On further
+nodes, torchrun starts the same ranks: `TORCH_ELASTIC_WORKER_IDENTICAL=1 torchrun --nnodes N --node-rank K
+--nproc-per-node G --master-addr HOST --master-port PORT -m server.training.workers --base-model ...
+[the server's model flags]`, with the server on node 0 started with the same rendezvous (see the README;
+the variable has torchrun number the ranks itself, as no torchrun runs on node 0 to do it).
 """
 
 import logging
 import multiprocessing
+import os
 
 import torch.distributed as dist
 
 from server.config import ServerConfig, parse_config, rank_from_environment
+from server.training.lifelines import exit_when_leader_dies
 from server.training.parallel import init_training_group
 from server.training.trainer import build_trainer
 
@@ -26,9 +29,11 @@ def run_rank(config: ServerConfig, rank: int) -> None:
     group = init_training_group(rank, trainer_config.world_size, config.model.device_type,
                                 trainer_config.master_addr, trainer_config.master_port,
                                 trainer_config.training_devices)
+    exit_when_leader_dies(group.lifelines)
     trainer = build_trainer(config.model, trainer_config, config.images.feature_cache_bytes, group)
-    logger.info("training rank %d of %d ready on %s", rank, group.world_size, group.device)
+    logger.info("training rank %d of %d ready on %s (pid %d)", rank, group.world_size, group.device, os.getpid())
     trainer.follow_leader()
+    group.lifelines.stop()  # rank 0 said stop: its exit to come is no death
     dist.destroy_process_group()
 
 

@@ -19,6 +19,7 @@ import tinker
 from tinker import types
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
+from support.fault import journal_path, run_journal
 from support.live_server import BASE_MODEL, REPO_ROOT, LiveServer, free_port, start_server
 from support.raw_run import RawRun
 from support.sdk import SENTENCES, forward_logprobs, supervised_datum
@@ -26,14 +27,8 @@ from support.sdk import SENTENCES, forward_logprobs, supervised_datum
 KILLS = 3
 
 
-def _journal_path(server: LiveServer) -> Path:
-    if server.database_url:
-        return Path(server.database_url.removeprefix("sqlite:///"))
-    return server.data_dir / "server.db"
-
-
 def _pending_futures(server: LiveServer) -> int:
-    with sqlite3.connect(f"file:{_journal_path(server)}?mode=ro", uri=True) as journal:
+    with sqlite3.connect(f"file:{journal_path(server)}?mode=ro", uri=True) as journal:
         return journal.execute("SELECT count(*) FROM futures WHERE status = 'pending'").fetchone()[0]
 
 
@@ -144,7 +139,7 @@ def _check_every_completed_checkpoint_loads_as_saved(server: LiveServer, saves: 
 
 
 def _listed_directories(server: LiveServer) -> set[str]:
-    with sqlite3.connect(f"file:{_journal_path(server)}?mode=ro", uri=True) as journal:
+    with sqlite3.connect(f"file:{journal_path(server)}?mode=ro", uri=True) as journal:
         return {row[0] for row in journal.execute("SELECT directory FROM checkpoints")}
 
 
@@ -152,7 +147,7 @@ def test_a_second_server_on_the_same_journal_by_another_path_refuses_to_start_an
         fault_server, tmp_path):
     """The same data directory is refused as plainly (tests/unit/store); here the harder case: another data
     directory, and --database-url naming the first one's journal through a symbolic link."""
-    journal = _journal_path(fault_server)
+    journal = journal_path(fault_server)
     with sqlite3.connect(journal) as connection:  # a request the first server holds in its journal, pending
         connection.execute("INSERT INTO futures (request_id, request_type, owner, payload_hash, status, created_at) "
                            "VALUES ('held-by-the-first', 'ForwardBackward', 'default', '', 'pending', "
@@ -343,25 +338,18 @@ def test_sigterm_stops_within_the_shutdown_timeout_and_fails_what_was_running(mo
     del long_sample
 
 
-def _run_journal(server: LiveServer, model_id: str) -> list[tuple[str, str]]:
-    """A run's journaled requests in seq_id order: (request type, status)."""
-    with sqlite3.connect(f"file:{_journal_path(server)}?mode=ro", uri=True) as journal:
-        return journal.execute("SELECT request_type, status FROM futures WHERE model_id = ? ORDER BY seq_id",
-                               (model_id,)).fetchall()
-
-
 def _kill_mid_step(server: LiveServer, model_id: str) -> None:
     """SIGKILL the server while the run's forward_backward runs with its optim_step queued behind it, both
     journaled (the server is stopped to look, so what is seen is what the kill leaves)."""
     step = [("ForwardBackward", "pending"), ("OptimStep", "pending")]
     too_late = "the forward_backward finished before the kill: give it a larger batch"
     deadline = time.monotonic() + 120  # a hang guard
-    while (last := _run_journal(server, model_id)[-2:]) != step:
+    while (last := [row[:2] for row in run_journal(server, model_id)[-2:]]) != step:
         assert ("ForwardBackward", "complete") not in last, too_late
         assert time.monotonic() < deadline, last
         time.sleep(0.01)
     server.process.send_signal(signal.SIGSTOP)
-    assert _run_journal(server, model_id)[-2:] == step, too_late
+    assert [row[:2] for row in run_journal(server, model_id)[-2:]] == step, too_late
     server.process.send_signal(signal.SIGKILL)
     server.process.wait()
 

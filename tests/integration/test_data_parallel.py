@@ -1,24 +1,64 @@
-"""Data-parallel training (`--gpus 2`, here two CPU processes over gloo) gives the same losses, logprobs
-and adapter as one training process (unsharded), so sharding the frozen base with FSDP2 changes nothing."""
+"""Data-parallel training (`--gpus 2`, here two CPU processes over gloo; and two "nodes" on this host, the
+server and a torchrun) gives the same losses, logprobs and adapter as one training process (unsharded), so
+sharding the frozen base with FSDP2 changes nothing. A rank that dies, of this node or another, stops the
+server: the step it ran fails with the cause, nothing stays pending in the journal."""
 
 import numpy as np
 import pytest
 
-from support.data_parallel import train_with_one_and_two_ranks
+from support.data_parallel import BASE_MODEL, mixed_batch, rank_pid, start_ranks, start_two_nodes, train
+from support.fault import check_stopped_for_lost_rank, kill_rank_mid_step
+from support.live_server import LiveServer
+from support.vision_sdk import ImagePrompts
 
 
 @pytest.fixture(scope="module")
-def runs(models_dir, tmp_path_factory):
-    return train_with_one_and_two_ranks(models_dir, tmp_path_factory)
+def one_rank(models_dir, tmp_path_factory) -> dict:
+    """What one training rank trains; it builds the model the other servers load first (ranks that start
+    together must not both build it)."""
+    server = start_ranks(models_dir, tmp_path_factory, 1)
+    try:
+        return train(server)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(one_rank, models_dir, tmp_path_factory):
+    """A server with two training ranks, kept for the test that kills one."""
+    server = start_ranks(models_dir, tmp_path_factory, 2)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(one_rank, two_ranks) -> dict[int, dict]:
+    return {1: one_rank, 2: train(two_ranks)}
+
+
+@pytest.fixture(scope="module")
+def two_nodes(one_rank, models_dir, tmp_path_factory):
+    nodes = start_two_nodes(tmp_path_factory.mktemp("two-nodes") / "data", models_dir)
+    yield nodes
+    nodes.server.stop()
+    nodes.node.kill()
+    nodes.node.wait()
+
+
+def _check_same_training(one: dict, two: dict) -> None:
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    for name in ("logprobs", "reloaded", "resumed"):
+        for a, b in zip(two[name], one[name]):
+            np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_two_ranks_give_the_same_losses_and_logprobs_as_one(runs):
     one, two = runs[1], runs[2]
-    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
-    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
-    for a, b in zip(two["logprobs"], one["logprobs"]):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    _check_same_training(one, two)
     assert one["losses"][2] < one["losses"][0]
+    for a, b in zip(one["reloaded"], one["logprobs"]):  # the checkpoint holds the weights it was saved with
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_two_ranks_train_the_same_adapter_as_one(runs):
@@ -27,3 +67,26 @@ def test_two_ranks_train_the_same_adapter_as_one(runs):
     for name in one:
         np.testing.assert_allclose(two[name].numpy(), one[name].numpy(), atol=1e-6, rtol=1e-4, err_msg=name)
     assert max(float(t.abs().max()) for name, t in one.items() if "lora_B" in name) > 1e-3
+
+
+def test_two_nodes_joined_by_torchrun_train_as_one_rank_with_no_shared_checkpoint_directory(runs, two_nodes):
+    """Node 1's data directory is its own: it loads checkpoints from the files rank 0 sends."""
+    _check_same_training(runs[1], train(two_nodes.server))
+
+
+def _kill_rank_1_mid_step(server: LiveServer, log: str) -> str:
+    """Returns the model_id of the run whose step the kill cut short."""
+    training = server.service_client().create_lora_training_client(base_model=BASE_MODEL, rank=8, seed=5).result()
+    kill_rank_mid_step(server, rank_pid(log, 1), training, mixed_batch(ImagePrompts(training)))
+    return training.model_id
+
+
+def test_a_local_rank_that_dies_mid_step_stops_the_server_and_fails_the_step_with_the_cause(runs, two_ranks):
+    model_id = _kill_rank_1_mid_step(two_ranks, two_ranks.log_path.read_text())
+    check_stopped_for_lost_rank(two_ranks, 1, model_id)
+
+
+def test_a_node_whose_rank_dies_mid_step_stops_the_server_and_fails_the_step_with_the_cause(runs, two_nodes):
+    model_id = _kill_rank_1_mid_step(two_nodes.server, two_nodes.node_log.read_text())
+    check_stopped_for_lost_rank(two_nodes.server, 1, model_id)
+    assert two_nodes.node.wait(timeout=120) != 0  # torchrun saw its worker die

@@ -1,9 +1,17 @@
-"""Training the same run with one and with two training ranks, through the SDK, for comparison."""
+"""Training the same run with one and with two training ranks (two processes of one node, or two nodes
+joined by torchrun on this host), through the SDK, for comparison."""
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 from safetensors.torch import load_file
 from tinker import types
 
-from support.live_server import start_server
+from support.live_server import REPO_ROOT, LiveServer, free_port, start_server
 from support.sdk import forward_logprobs
 from support.vision_sdk import ImagePrompts, noise
 
@@ -37,18 +45,75 @@ def train(server) -> dict:
     run_id, _, name = path.removeprefix("tinker://").split("/")
     (version,) = (server.data_dir / "checkpoints" / run_id / "weights" / name).glob("v-*")
     adapter = load_file(version / "adapter_model.safetensors")
+    # A run started from the checkpoint (on every rank) has its weights, and steps with its AdamW moments.
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    reloaded = forward_logprobs(resumed, data)
+    resumed.forward_backward(data, "cross_entropy").result()
+    resumed.optim_step(ADAM).result()
     return {"losses": losses + [single.metrics["loss:sum"]], "grad_norm": metrics["grad_norm:mean"],
-            "logprobs": forward_logprobs(tc, data), "adapter": adapter}
+            "logprobs": forward_logprobs(tc, data), "reloaded": reloaded, "resumed": forward_logprobs(resumed, data),
+            "adapter": adapter}
+
+
+def start_ranks(models_dir: Path, tmp_path_factory, world_size: int, *extra_args: str) -> LiveServer:
+    """A server with `world_size` training ranks on this node."""
+    data_dir = tmp_path_factory.mktemp(f"world-{world_size}")
+    return start_server(data_dir, f"sqlite:///{data_dir}/server.db", models_dir, "--gpus", str(world_size),
+                        *extra_args, base_model=BASE_MODEL)
 
 
 def train_with_one_and_two_ranks(models_dir, tmp_path_factory, *extra_args: str) -> dict[int, dict]:
     results = {}
     for world_size in (1, 2):
-        data_dir = tmp_path_factory.mktemp(f"world-{world_size}")
-        server = start_server(data_dir, f"sqlite:///{data_dir}/server.db", models_dir, "--gpus", str(world_size),
-                              *extra_args, base_model=BASE_MODEL)
+        server = start_ranks(models_dir, tmp_path_factory, world_size, *extra_args)
         try:
             results[world_size] = train(server)
         finally:
             server.stop()
     return results
+
+
+@dataclass
+class TwoNodes:
+    """The server as node 0 (WORLD_SIZE=2, one local rank) and torchrun starting rank 1 as node 1."""
+
+    server: LiveServer
+    node: subprocess.Popen
+    """torchrun on node 1."""
+    node_log: Path
+
+
+def start_two_nodes(data_dir: Path, models_dir: Path, *model_args: str,
+                    environments: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> TwoNodes:
+    """Two "nodes" on this host with the README's commands; node 1 has a data directory of its own, sharing
+    only the built-in models (which must be built already: both nodes would build them at once).
+
+    Args:
+        model_args: the model flags both nodes get (`--device cuda --dtype bfloat16`).
+        environments: more variables for node 0 and node 1 (each its own GPU).
+    """
+    port = free_port()
+    node_dir = data_dir.with_name(f"{data_dir.name}-node-1")
+    node_dir.mkdir(parents=True)
+    (node_dir / "models").symlink_to(models_dir, target_is_directory=True)
+    node_log = node_dir / "torchrun.log"
+    node = subprocess.Popen(
+        [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "server.training.workers",
+         "--base-model", BASE_MODEL, "--data-dir", str(node_dir), *model_args],
+        cwd=REPO_ROOT, env=dict(os.environ, TORCH_ELASTIC_WORKER_IDENTICAL="1", OMP_NUM_THREADS="2",
+                                **environments[1]),
+        stdout=node_log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        server = start_server(data_dir, f"sqlite:///{data_dir}/server.db", models_dir, *model_args,
+                              base_model=BASE_MODEL, environment={"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                                                  "MASTER_PORT": str(port), **environments[0]})
+    except BaseException:
+        node.kill()
+        raise
+    return TwoNodes(server, node, node_log)
+
+
+def rank_pid(log: str, rank: int) -> int:
+    """The process id of a training rank, from the line it logs once ready."""
+    return int(re.search(rf"training rank {rank} of \d+ ready on \S+ \(pid (\d+)\)", log).group(1))

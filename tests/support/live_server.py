@@ -86,13 +86,14 @@ def free_port() -> int:
 
 def start_server(data_dir: Path, database_url: str | None, models_dir: Path | None, *extra_args: str,
                  base_model: str = BASE_MODEL, startup_seconds: float = STARTUP_SECONDS,
-                 port: int | None = None) -> LiveServer:
+                 port: int | None = None, environment: dict[str, str] | None = None) -> LiveServer:
     """Start `python -m server` on `base_model` and wait until it answers healthz.
 
     Args:
         database_url: None keeps the server's default (SQLite under `data_dir`).
         models_dir: a shared cache of built-in models, linked into `data_dir`; None builds them there.
         extra_args: more flags for its command line.
+        environment: more variables for its environment (a multi-node rendezvous).
     """
     data_dir.mkdir(parents=True, exist_ok=True)
     models_link = data_dir / "models"
@@ -100,7 +101,8 @@ def start_server(data_dir: Path, database_url: str | None, models_dir: Path | No
         models_link.symlink_to(models_dir, target_is_directory=True)
     port = port or free_port()
     log_path = data_dir / f"server-{port}.log"
-    env = dict(os.environ, TINKER_TELEMETRY="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env = dict(os.environ, TINKER_TELEMETRY="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+               **(environment or {}))
     database = ["--database-url", database_url] if database_url is not None else []
     process = subprocess.Popen(
         [sys.executable, "-m", "server", "--base-model", base_model, "--port", str(port),

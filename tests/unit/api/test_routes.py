@@ -61,7 +61,7 @@ def _fake_services(executor: FakeExecutor, tmp_path: Path):
             config=config, store=store, scheduler=Scheduler(store, executor, metrics=metrics),
             sampling=SamplingFutures(engine, metrics), sampler=engine, training_ranks=[],
             base=SimpleNamespace(name=BASE_MODEL, path=tmp_path, family=SimpleNamespace(model_type="fake")),
-            trainer=SimpleNamespace(models={}, stop_followers=lambda: None),
+            trainer=SimpleNamespace(models={}, stop_followers=lambda: None, group=SimpleNamespace(lifelines=None)),
             adapters=SimpleNamespace(forget=lambda directory: None, forget_run=lambda model_id: None),
             render_context=None, sampling_renderer=None, checkpoint_pins=pins,
             checkpoints=Checkpoints(store, config.store.checkpoint_dir, pins, config.limits, lambda record: None),
