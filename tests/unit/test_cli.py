@@ -49,6 +49,7 @@ CLI_OPTIONS = {
     "--local-ranks", "--gpus",
     "--activation-checkpointing",
     "--max-tokens-per-microbatch", "--microbatch-tokens",
+    "--microbatch-layout",
     "--max-tokens-per-pass",
     "--max-runs-per-pass",
     "--compile",
