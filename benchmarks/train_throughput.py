@@ -6,7 +6,11 @@ every linear layer of the language model (and every routed expert of a MoE), 32 
 tokens per step (or lengths drawn between --min-sequence-length and that), and per variant: `image`,
 one new 448x448 image per sequence in every step (as an epoch over a data set sends them: the vision
 tower runs in every step), `image-cached`, the same 32 images in every step (their features come from
-the cache after the first step, so the timed steps do not run the vision tower), or `text` only. For
+the cache after the first step, so the timed steps do not run the vision tower), `text` only, or `rl`: what
+an RL batch looks like, lengths spread log-uniformly between --min-sequence-length (default 200) and
+--sequence-length (e.g. 4096), 0-4 images a sequence, each new in its step or one of a pool of 16 that
+recur (cached; their vision FLOPs are not counted). --layouts packed,padded measures both micro-batch
+layouts (--microbatch-layout), each in processes of its own, and prints their ratio. For
 each shape and variant it runs (a) the training backend called in-process (the trainer the server
 builds, fed datums rendered exactly as the API renders them) and (b) the same steps through `python
 -m server` driven by the tinker SDK, and prints tokens/s/GPU, MFU, peak memory, the spread of the
@@ -26,6 +30,8 @@ state with q and k and updating it: three d_k x d_v products forward, and as muc
 backward to the activations). A MoE counts only the experts a token is routed to, and its shared expert (MFU by active parameters).
 
     python benchmarks/train_throughput.py --shapes 4b --variants image,image-cached,text --gpus 1
+    python benchmarks/train_throughput.py --shapes 4b --variants rl,image-cached --sequence-length 4096 \
+        --layouts packed,padded --modes inprocess                (RL-like lengths, both layouts)
     python benchmarks/train_throughput.py --shapes tiny --device cpu --dtype float32 --sequences 2 \
         --sequence-length 256 --image-size 64 --steps 2 --warmup 1        (a CPU trial)
 """
@@ -127,8 +133,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shapes", default="4b", help="comma-separated: 4b, 8b, qwen3.5-4b, qwen3.6-35b-a3b, tiny, tiny-moe")
     parser.add_argument("--variants", default="image,text",
                         help="comma-separated: image (new images every step), image-cached (the same images every "
-                             "step), text")
+                             "step), text, rl (RL-like lengths and images, see above)")
     parser.add_argument("--modes", default="inprocess,api", help="comma-separated: inprocess, api")
+    parser.add_argument("--layouts", default=TrainerConfig.microbatch_layout,
+                        help="comma-separated micro-batch layouts: packed, padded")
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
@@ -139,7 +147,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--sequence-length", type=int, default=2048)
     parser.add_argument("--min-sequence-length", type=int, default=None,
-                        help="rows of lengths drawn between this and --sequence-length (default: all of that length)")
+                        help="rows of lengths drawn between this and --sequence-length (default: all of that "
+                             "length; 200 for the rl variant)")
     parser.add_argument("--image-size", type=int, default=448)
     parser.add_argument("--rank", type=int, default=32)
     parser.add_argument("--steps", type=int, default=4, help="timed steps")
@@ -246,6 +255,31 @@ def build_steps(args, shape: str, variant: str, image_tokens: int, vision_start:
     return steps * (args.warmup + args.steps) if variant == "image-cached" else steps
 
 
+RL_IMAGE_POOL = 16
+"""Images of the rl variant that recur from step to step (seeds 0-15); every other image is new."""
+
+
+def rl_datum(args, rng, vocab: int, step: int, index: int, image_tokens: int, vision_start: int,
+             vision_end: int) -> tuple[list, list[float], int]:
+    """An RL-like sequence: a log-uniform length, 0-4 images (as many as fit), each new or from the pool."""
+    low = args.min_sequence_length or 200
+    length = int(np.exp(rng.uniform(np.log(low), np.log(args.sequence_length + 1))))
+    num_images = min(int(rng.integers(0, 5)), (length - 16) // (image_tokens + 2))
+    text = length - num_images * (image_tokens + 2)
+    cuts = sorted(rng.integers(1, text, num_images).tolist())
+    chunks, weights, start = [], [], 0
+    for k, cut in enumerate(cuts):
+        seed = int(rng.integers(RL_IMAGE_POOL)) if rng.random() < 0.5 else 1000 + (step * args.sequences + index) * 4 + k
+        chunks += [EncodedTextChunk(tokens=rng.integers(1000, vocab, cut - start).tolist() + [vision_start]),
+                   ImageChunk(data=smooth_image(args.image_size, seed=seed), format="jpeg",
+                              expected_tokens=image_tokens),
+                   EncodedTextChunk(tokens=[vision_end])]
+        weights += [1.0] * (cut - start + 1) + [0.0] * image_tokens + [1.0]
+        start = cut
+    chunks.append(EncodedTextChunk(tokens=rng.integers(1000, vocab, text - start).tolist()))
+    return chunks, weights + [1.0] * (text - start), length
+
+
 def build_datums(args, shape: str, variant: str, step: int, image_tokens: int, vision_start: int,
                  vision_end: int) -> list[Datum]:
     """One step's sequences of random text ids (never a special token), an image after the first 64."""
@@ -255,7 +289,9 @@ def build_datums(args, shape: str, variant: str, step: int, image_tokens: int, v
     data = []
     for index in range(args.sequences):
         length = int(rng.integers(args.min_sequence_length or args.sequence_length, args.sequence_length + 1))
-        if variant.startswith("image"):
+        if variant == "rl":
+            chunks, weights, length = rl_datum(args, rng, vocab, step, index, image_tokens, vision_start, vision_end)
+        elif variant.startswith("image"):
             before = rng.integers(1000, vocab, 64).tolist() + [vision_start]
             after = [vision_end] + rng.integers(1000, vocab, length - 64 - 2 - image_tokens).tolist()
             chunks = [EncodedTextChunk(tokens=before),
@@ -273,11 +309,17 @@ def build_datums(args, shape: str, variant: str, step: int, image_tokens: int, v
 
 
 def step_work(shape: str, variant: str, image_size: int, data: list[Datum]) -> tuple[int, float]:
-    """A step's tokens and FLOPs (the docstring above says what is counted); images count in `image` only."""
+    """A step's real tokens and FLOPs (the docstring above says what is counted); images count in `image`,
+    and in `rl` those not from the recurring pool."""
     lengths = [len(datum.loss_fn_inputs["target_tokens"]) for datum in data]
     flops = sum(length * flops_per_token(shape, length) for length in lengths)
     if variant == "image":  # new images: the vision tower encodes each of them in this step
         flops += len(data) * vision_flops_per_image(shape, image_size)
+    if variant == "rl":
+        pool = {smooth_image(image_size, seed) for seed in range(RL_IMAGE_POOL)}
+        new = sum(isinstance(chunk, ImageChunk) and chunk.data not in pool
+                  for datum in data for chunk in datum.model_input.chunks)
+        flops += new * vision_flops_per_image(shape, image_size)
     return sum(lengths), flops
 
 
@@ -290,7 +332,7 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
                           model_cache_dir=args.work_dir / "models", device=args.device, dtype=args.dtype),
         store=StoreConfig(database_url="sqlite://", checkpoint_dir=args.work_dir / "checkpoints"),
         trainer=TrainerConfig(local_ranks=args.gpus, world_size=args.gpus, master_port=free_port(),
-                              max_tokens_per_microbatch=args.microbatch_tokens,
+                              max_tokens_per_microbatch=args.microbatch_tokens, microbatch_layout=args.layout,
                               activation_checkpointing=args.activation_checkpointing, compile=args.compile))
     start = time.perf_counter()
     ranks = start_local_ranks(config)
@@ -383,7 +425,7 @@ def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str,
 
     data_dir = args.work_dir / f"server-{shape}"
     command = ["--model-path", str(model_dir), "--device", args.device, "--dtype", args.dtype, "--gpus", str(args.gpus),
-               "--microbatch-tokens", str(args.microbatch_tokens)]
+               "--microbatch-tokens", str(args.microbatch_tokens), "--microbatch-layout", args.layout]
     if args.activation_checkpointing:
         command.append("--activation-checkpointing")
     if args.compile:
@@ -423,6 +465,9 @@ def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str,
 
 
 def measure_mode(args, mode: str, shape: str, model_dir: Path, variants: list[str]) -> dict[str, dict]:
+    """`mode` is inprocess or api, and with several --layouts ":" and the micro-batch layout."""
+    mode, _, layout = mode.partition(":")
+    args = argparse.Namespace(**{**vars(args), "layout": layout or args.layouts})
     run = run_inprocess if mode == "inprocess" else run_api
     return run(args, shape, model_dir, variants)
 
@@ -450,7 +495,9 @@ def main() -> None:
     args = parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    modes = args.modes.split(",")
+    layouts = args.layouts.split(",")
+    modes = [f"{mode}:{layout}" if len(layouts) > 1 else mode
+             for layout in layouts for mode in args.modes.split(",")]
     for shape in args.shapes.split(","):
         # Written in a process of its own too: a model built on the GPU here would stay there (9.7 GiB
         # for 4B) while the modes measure.
@@ -481,33 +528,37 @@ def main() -> None:
                                      mfu=float(np.median(mfus)),
                                      peak_memory_gib=max(results[variant]["peak_memory_gib"] for results in repeats))
                 rows.append(by_mode[mode])
-            if {"inprocess", "api"} <= measured.keys():
-                # Process i of each mode ran next to the other's process i: their ratio, pair by pair.
-                pairs = [api / inprocess for api, inprocess in zip(medians["api"], medians["inprocess"])]
-                ratio = by_mode["api"]["tokens_per_s_per_gpu"] / by_mode["inprocess"]["tokens_per_s_per_gpu"]
-                rows.append(dict(shape=shape, variant=variant, mode="api/inprocess", ratio=ratio, pairs=pairs))
+            # Process i of each mode ran next to the other's process i: their ratio, pair by pair.
+            suffixes = [f":{layout}" for layout in layouts] if len(layouts) > 1 else [""]
+            compared = [(f"api{suffix}", f"inprocess{suffix}") for suffix in suffixes]
+            compared += [(f"{mode}:packed", f"{mode}:padded") for mode in args.modes.split(",")]
+            for over, under in compared:
+                if {over, under} <= measured.keys():
+                    pairs = [a / b for a, b in zip(medians[over], medians[under])]
+                    ratio = by_mode[over]["tokens_per_s_per_gpu"] / by_mode[under]["tokens_per_s_per_gpu"]
+                    rows.append(dict(shape=shape, variant=variant, mode=f"{over}/{under}", ratio=ratio, pairs=pairs))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     lengths = (f"{args.min_sequence_length}-{args.sequence_length}" if args.min_sequence_length
                else str(args.sequence_length))
-    print(f"\n{args.sequences} rows of {lengths} tokens per step, LoRA rank {args.rank}, {args.gpus} GPU(s), "
+    print(f"\n{args.sequences} rows of {lengths} tokens per step (micro-batch layouts {args.layouts}), LoRA rank {args.rank}, {args.gpus} GPU(s), "
           f"micro-batch {args.microbatch_tokens} tokens, activation checkpointing {args.activation_checkpointing}, "
           f"compile {args.compile}; {args.warmup} warm-up and {args.steps} timed steps per process, {args.repeats} "
           f"process(es) per mode. image: new images every step (vision FLOPs counted); image-cached: the same "
           f"images every step (the feature cache serves them; not counted)")
-    print(f"{'shape':6} {'variant':12} {'mode':14} {'step s':>8} {'step range':>13} {'tok/s/GPU':>10} {'MFU':>6} "
+    print(f"{'shape':6} {'variant':12} {'mode':22} {'step s':>8} {'step range':>13} {'tok/s/GPU':>10} {'MFU':>6} "
           f"{'peak GiB':>9}")
     for row in rows:
         if "ratio" in row:
             pairs = row["pairs"]
             spread = (f"pair by pair: median {np.median(pairs):.3f}, {min(pairs):.3f}-{max(pairs):.3f} over "
                       f"{len(pairs)} pairs" if len(pairs) > 1 else "one pair of processes: --repeats gives a spread")
-            print(f"{row['shape']:6} {row['variant']:12} {row['mode']:14} ratio (b)/(a) = {row['ratio']:.3f} "
+            print(f"{row['shape']:6} {row['variant']:12} {row['mode']:22} ratio = {row['ratio']:.3f} "
                   f"({spread})")
         else:
             steps = row["all_step_seconds"]
             step_range = f"{min(steps):.2f}-{max(steps):.2f}"
-            print(f"{row['shape']:6} {row['variant']:12} {row['mode']:14} {row['step_seconds']:8.2f} {step_range:>13} "
+            print(f"{row['shape']:6} {row['variant']:12} {row['mode']:22} {row['step_seconds']:8.2f} {step_range:>13} "
                   f"{row['tokens_per_s_per_gpu']:10.0f} {row['mfu']:6.1%} {row['peak_memory_gib']:9.1f}")
 
 

@@ -59,7 +59,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TrainerConfig:
     max_tokens_per_microbatch: int = 8192
-    """Datums are packed into micro-batches of at most this many (padded) tokens. 8,192 keeps a 4B or 8B
+    """Datums are grouped into micro-batches of at most this many tokens (padded tokens in the padded layout). 8,192 keeps a 4B or 8B
     model's step within 80 GB in eager mode (measured: 54 GiB for 4B); with --compile a 4B model fits
     16,384 (72 GiB, about 5 % faster), see benchmarks/RESULTS.md."""
     max_tokens_per_pass: int = 65536
@@ -83,6 +83,10 @@ class TrainerConfig:
     """Rendezvous of the training ranks; 0 picks a free port (single node)."""
     activation_checkpointing: bool = False
     """Recompute each decoder block in backward instead of keeping its activations."""
+    microbatch_layout: str = "packed"
+    """packed: a micro-batch's datums end to end in one row, attention and rope positions kept within each
+    datum (no padding, no new padded length per batch); padded: one right-padded row per datum. Hybrid
+    families (Qwen3.5's linear attention) always use padded rows, see training/packing.py."""
     compile: bool = False
     """torch.compile each decoder block and the unembedding chunks (fuses the many small element-wise
     kernels of norms, rotary embeddings, activations and LoRA; the first steps of each shape compile)."""
@@ -97,6 +101,8 @@ class TrainerConfig:
                                  f"{self.local_ranks} local training ranks (--local-ranks): one GPU per rank")
         if self.max_tokens_per_pass < 1:
             raise ValueError(f"max_tokens_per_pass must be positive, got {self.max_tokens_per_pass}")
+        if self.microbatch_layout not in ("packed", "padded"):
+            raise ValueError(f"microbatch_layout must be packed or padded, got {self.microbatch_layout!r}")
         if self.max_runs_per_pass is not None and self.max_runs_per_pass < 1:
             raise ValueError(f"max_runs_per_pass must be positive, got {self.max_runs_per_pass}")
 
@@ -446,7 +452,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                              "always on for Qwen3.5 / Qwen3.6)")
     parser.add_argument("--max-tokens-per-microbatch", "--microbatch-tokens",
                         type=int, default=TrainerConfig.max_tokens_per_microbatch,
-                        help="padded tokens per forward/backward pass on each training rank")
+                        help="tokens per forward/backward pass on each training rank (padded ones too, padded)")
+    parser.add_argument("--microbatch-layout", choices=("packed", "padded"), default=TrainerConfig.microbatch_layout,
+                        help="packed: each micro-batch's datums end to end in one row, attention within each datum; "
+                             "padded: one right-padded row per datum (hybrid Qwen3.5 models always)")
     parser.add_argument("--max-tokens-per-pass", type=int, default=TrainerConfig.max_tokens_per_pass,
                         help="forward_backward tokens per training pass, shared fairly among the runs with work")
     parser.add_argument("--max-runs-per-pass", type=int, default=None,
@@ -538,8 +547,10 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                             body_timeout_seconds=args.body_timeout_seconds,
                             max_connections_per_client=args.max_connections_per_client),
         auth=args.auth, shutdown_timeout_seconds=args.shutdown_timeout_seconds, debug=args.debug,
-        trainer=TrainerConfig(local_ranks=local_ranks, training_devices=args.training_devices, activation_checkpointing=args.activation_checkpointing,
-                              max_tokens_per_microbatch=args.max_tokens_per_microbatch, compile=args.compile,
+        trainer=TrainerConfig(local_ranks=local_ranks, training_devices=args.training_devices,
+                              activation_checkpointing=args.activation_checkpointing,
+                              max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+                              microbatch_layout=args.microbatch_layout, compile=args.compile,
                               max_tokens_per_pass=args.max_tokens_per_pass,
                               max_runs_per_pass=args.max_runs_per_pass,
                               # torchrun's variables when ranks on other nodes join (see the README)

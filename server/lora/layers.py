@@ -6,7 +6,8 @@ one forward (and its backward) through the model's `AdapterSlot`: one adapter fo
 by module name, in the standard PEFT layout. Knows nothing about runs, optimizers or files.
 
 Shapes: lora_A is [rank, in_features], lora_B is [out_features, rank]. In an AdapterStack, J = the
-ranks of the adapters that adapt a layer, summed; B = rows of the batch, N = positions.
+ranks of the adapters that adapt a layer, summed; B = rows of the batch (or its positions, when a packed
+row holds datums of several runs: a "row" is then one position), N = positions.
 """
 
 import math
@@ -288,7 +289,10 @@ def use_adapter(slot: AdapterSlot, adapter: LoraAdapter | None) -> Iterator[None
 
 @contextmanager
 def use_adapter_rows(slot: AdapterSlot, stack: AdapterStack, row_adapter_B: torch.Tensor) -> Iterator[None]:
-    """Run the enclosed calls with adapter `stack.adapters[row_adapter_B[b]]` on row b of every input."""
+    """Run the enclosed calls with adapter `stack.adapters[row_adapter_B[b]]` on row b of every input.
+
+    One entry per position instead (a packed row) works the same way: each position is a row of one.
+    """
     row_scales = stack.row_scales(row_adapter_B)
     for layer in slot.layers:
         if layer.name in stack.columns:

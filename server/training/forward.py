@@ -84,15 +84,15 @@ class TargetLogprobs(nn.Module):
             self._chunk_logprobs = torch.compile(_chunk_logprobs)
             self._chunk_logits_grad = torch.compile(_chunk_logits_grad)
 
-    def forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, real_positions_N: torch.Tensor,
-                targets_NK: torch.Tensor, position_ids: torch.Tensor | None = None,
-                mm_encoder_outputs: dict | None = None, loss: ChunkLoss | None = None) -> torch.Tensor:
+    def forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None,
+                real_positions_N: torch.Tensor, targets_NK: torch.Tensor, position_ids: torch.Tensor | None = None,
+                loss: ChunkLoss | None = None, **model_kwargs) -> torch.Tensor:
         """Without `loss`: log p(target) [N, K] at every real position (rows in order, each row's positions
         in order; `real_positions_N` indexes them in the flattened [B*T]), with no gradient through the
-        unembedding. With `loss`: the summed loss, whose backward reaches the decoder and every LoRA."""
-        vision = {} if mm_encoder_outputs is None else {"mm_encoder_outputs": mm_encoder_outputs}
+        unembedding. With `loss`: the summed loss, whose backward reaches the decoder and every LoRA.
+        `model_kwargs` go to the HF model (cached image features, a packed row's segment_lengths)."""
         hidden_BTD = self.model.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT,
-                                      position_ids=position_ids, use_cache=False, **vision).last_hidden_state
+                                      position_ids=position_ids, use_cache=False, **model_kwargs).last_hidden_state
         # An index computed on the host, not a boolean mask: no device sync in the middle of the step.
         hidden_ND = hidden_BTD.flatten(0, 1).index_select(0, real_positions_N)
         lm_head = self.model.lm_head
@@ -100,8 +100,8 @@ class TargetLogprobs(nn.Module):
         lora_A_JD = lora_B_VJ = scale_NJ = None
         if delta is not None:
             lora_A_JD, lora_B_VJ, row_scale_BJ = delta
-            if row_scale_BJ is not None:
-                scale_NJ = row_scale_BJ[real_positions_N // input_ids_BT.shape[1]]
+            if row_scale_BJ is not None:  # a scale per row, or per position (a packed row of several runs)
+                scale_NJ = row_scale_BJ[real_positions_N // (input_ids_BT.numel() // row_scale_BJ.shape[0])]
         weight_VD = lm_head.base.weight
         if loss is None:
             with torch.no_grad():

@@ -5,7 +5,8 @@ row with its own run's adapter and each run's gradient in its own accumulators),
 accumulated until optim_step, checkpoints copied and loaded, on every training rank in step (rank 0
 leads, see `follow_leader`). Knows nothing about HTTP, futures or the database.
 
-Shapes: B = datums in a micro-batch, T = padded length, N = real positions, K = targets per position.
+Shapes: B = rows of a micro-batch (one per datum, or one packed row), T = row length, N = real positions,
+K = targets per position.
 """
 
 import dataclasses
@@ -29,6 +30,7 @@ from server.rendering.training import TrainingExample
 from server.training.forward import TargetLogprobs
 from server.training.losses import DatumLoss, MicrobatchLoss, combine_metrics, resolve_loss
 from server.training.operations import CreateModel, ForwardBackward, LoadState, OptimStep, RankCommand, Unload
+from server.training.packing import apply_segment_attention, pack_first_fit
 from server.training.parallel import TrainingGroup, prepare_blocks
 from server.wire.models import LoraConfig
 from server.wire.training import AdamParams
@@ -77,15 +79,25 @@ class _LoadedMicroBatch:
     """A micro-batch's tensors on the training device, and whose each datum is."""
 
     keys: list[tuple[int, int]]
-    """(request, datum) of each row."""
-    row_request: list[int]
+    """(request, datum) of each datum."""
+    datum_request: list[int]
     input_ids_BT: torch.Tensor
-    attention_mask_BT: torch.Tensor
+    """Padded: a row per datum. Packed: one row [1, N], the datums end to end."""
+    attention_mask_BT: torch.Tensor | None
+    """Padded rows' padding mask; None for a packed row (attention stays within each datum)."""
     real_positions_N: torch.Tensor
     targets_NK: torch.Tensor
     datums: list[DatumLoss]
     images: list
-    position_ids_3BT: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    """Padded: [3, B, T] multimodal rope positions when there are images, else None (plain). Packed: [1, N]
+    positions restarting at each datum, or with images [4, 1, N], those then the three rope axes."""
+    segment_lengths: torch.Tensor | None
+    """Packed: each datum's length (int64, on the host), for the attention (training/packing.py)."""
+
+    @property
+    def packed(self) -> bool:
+        return self.segment_lengths is not None
 
 
 def _new_optimizer(adapter: LoraAdapter) -> torch.optim.AdamW:
@@ -150,6 +162,10 @@ class Trainer:
         self.dtype = next(base.model.parameters()).dtype
         self.targets: list[LoraTarget]
         self.targets, self.slot = apply_lora_wrappers(base.model, base.family)
+        # Linear attention (hybrid families) would carry its recurrent state from one datum into the next
+        # of a packed row: transformers' PyTorch path takes no sequence boundaries.
+        self.packed = config.microbatch_layout == "packed" and not base.family.hybrid
+        apply_segment_attention(base.model)
         refused = base.vision.reserved_token_ids if base.vision is not None else frozenset()
         self.forward_model = TargetLogprobs(base.model, config.logprob_chunk_size, config.compile, refused)
         tower = base.family.vision.tower_module if base.family.vision is not None else None
@@ -277,11 +293,11 @@ class Trainer:
         return results
 
     def _plan(self, examples: list[TrainingExample]) -> list[list[list[int]]]:
-        """Datums (by index) split among ranks by tokens, then into length-sorted micro-batches under the
-        token budget.
+        """Datums (by index) split among ranks by tokens, then into micro-batches under the token budget.
 
-        Sorting by length keeps padding small; every rank gets the same number of micro-batches
-        (padded with empty ones), because each forward and backward is a collective under FSDP.
+        Packed micro-batches are filled first fit, longest datum first; padded ones are length-sorted,
+        which keeps padding small. Every rank gets the same number of micro-batches (padded with empty
+        ones), because each forward and backward is a collective under FSDP.
         """
         order = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids), reverse=True)
         per_rank: list[list[int]] = [[] for _ in range(self.group.world_size)]
@@ -290,12 +306,17 @@ class Trainer:
             rank = load.index(min(load))
             per_rank[rank].append(index)
             load[rank] += len(examples[index].input_ids)
+        budget = self.config.max_tokens_per_microbatch
         plans = []
         for indices in per_rank:
             batches: list[list[int]] = []
+            if self.packed:
+                bins = pack_first_fit([len(examples[i].input_ids) for i in indices], budget)
+                plans.append([[indices[i] for i in batch] for batch in bins])
+                continue
             for index in indices:  # longest first, so a batch's first datum sets its padded length
                 batch_length = len(examples[batches[-1][0]].input_ids) if batches else 0
-                if batches and batch_length * (len(batches[-1]) + 1) <= self.config.max_tokens_per_microbatch:
+                if batches and batch_length * (len(batches[-1]) + 1) <= budget:
                     batches[-1].append(index)
                 else:
                     batches.append([index])
@@ -304,7 +325,7 @@ class Trainer:
         return [batches + [[]] * (most - len(batches)) for batches in plans]
 
     def _load(self, batch: MicroBatch, losses) -> _LoadedMicroBatch:
-        """A micro-batch's tensors, right-padded, on the device; the rows' positions laid end to end."""
+        """A micro-batch's tensors on the device, in the trainer's layout; the datums' positions end to end."""
         if not batch:
             # A rank with no datum left still joins the collectives of the others' forward and backward,
             # with the first request's adapter and a datum whose loss is exactly zero (not an output).
@@ -314,68 +335,86 @@ class Trainer:
             loaded.keys = [(-1, -1)]
             return loaded
         examples = [example for _, _, example in batch]
-        longest = max(len(e.input_ids) for e in examples)
-        input_ids_BT = torch.zeros(len(examples), longest, dtype=torch.long)
-        attention_mask_BT = torch.zeros(len(examples), longest, dtype=torch.long)
+        lengths = [len(e.input_ids) for e in examples]
         targets = [e.loss_fn_inputs["target_tokens"] for e in examples]
         width = max(t.shape[1] if t.dim() == 2 else 1 for t in targets)
-        targets_NK = torch.zeros(sum(len(e.input_ids) for e in examples), width, dtype=torch.long)
-        real_positions, datums, start = [], [], 0
-        for row, ((r, _, example), target) in enumerate(zip(batch, targets)):
-            length = len(example.input_ids)
-            input_ids_BT[row, :length] = torch.tensor(example.input_ids)
-            attention_mask_BT[row, :length] = 1
-            real_positions.append(torch.arange(length) + row * longest)
+        targets_NK = torch.zeros(sum(lengths), width, dtype=torch.long)
+        datums, start = [], 0
+        for (r, _, example), target, length in zip(batch, targets, lengths):
             target_NK = target if target.dim() == 2 else target[:, None]
             targets_NK[start:start + length, :target_NK.shape[1]] = target_NK
             spec, config = losses[r]
             datums.append(DatumLoss(spec, config, {name: t.to(self.device) for name, t in example.loss_fn_inputs.items()},
                                     start, start + length))
             start += length
-        position_ids_3BT = None
         images = [image for example in examples for image in example.images]
-        if images:
-            # Every row gets explicit multimodal rope positions, text-only rows the plain ones on all three axes.
-            position_ids_3BT = torch.zeros(3, len(examples), longest, dtype=torch.long)
-            for row, example in enumerate(examples):
-                length = len(example.input_ids)
-                position_ids_3BT[:, row, :length] = (example.position_ids if example.position_ids is not None
-                                                     else torch.arange(length))
-            position_ids_3BT = position_ids_3BT.to(self.device)
+        # Each datum's own rope positions: the multimodal ones of a datum with images, else plain ones.
+        rope_positions = [example.position_ids if example.position_ids is not None
+                          else torch.arange(length).expand(3, -1) for example, length in zip(examples, lengths)]
+        if self.packed:
+            input_ids_BT = torch.tensor([[token for e in examples for token in e.input_ids]])
+            attention_mask_BT = None
+            real_positions_N = torch.arange(start)
+            position_ids = torch.cat([torch.arange(length) for length in lengths])[None]
+            if images:  # transformers' 4-row form: the text positions (where datums restart), then rope's three axes
+                position_ids = torch.cat([position_ids, torch.cat(rope_positions, dim=1)])[:, None]
+            segment_lengths = torch.tensor(lengths)
+        else:
+            longest = max(lengths)
+            input_ids_BT = torch.zeros(len(examples), longest, dtype=torch.long)
+            attention_mask_BT = torch.zeros(len(examples), longest, dtype=torch.long)
+            position_ids = torch.zeros(3, len(examples), longest, dtype=torch.long) if images else None
+            for row, (example, length) in enumerate(zip(examples, lengths)):
+                input_ids_BT[row, :length] = torch.tensor(example.input_ids)
+                attention_mask_BT[row, :length] = 1
+                if images:  # every row explicit, text-only rows the plain positions on all three axes
+                    position_ids[:, row, :length] = rope_positions[row]
+            real_positions_N = torch.cat([torch.arange(length) + row * longest for row, length in enumerate(lengths)])
+            attention_mask_BT = attention_mask_BT.to(self.device)
+            segment_lengths = None
         return _LoadedMicroBatch(
-            keys=[(r, d) for r, d, _ in batch], row_request=[r for r, _, _ in batch],
-            input_ids_BT=input_ids_BT.to(self.device), attention_mask_BT=attention_mask_BT.to(self.device),
-            real_positions_N=torch.cat(real_positions).to(self.device), targets_NK=targets_NK.to(self.device),
-            datums=datums, images=images, position_ids_3BT=position_ids_3BT)
+            keys=[(r, d) for r, d, _ in batch], datum_request=[r for r, _, _ in batch],
+            input_ids_BT=input_ids_BT.to(self.device), attention_mask_BT=attention_mask_BT,
+            real_positions_N=real_positions_N.to(self.device), targets_NK=targets_NK.to(self.device),
+            datums=datums, images=images, position_ids=None if position_ids is None else position_ids.to(self.device),
+            segment_lengths=segment_lengths)
 
     def _run_microbatch(self, batch: _LoadedMicroBatch, adapters: list[LoraAdapter],
                         forward_only: bool) -> MicrobatchLoss:
         """Forward (and, unless forward_only, backward) of one micro-batch; returns its losses and outputs."""
         loss = MicrobatchLoss(batch.datums, tuple(batch.targets_NK.shape), self.device)
-        vision_kwargs = {}
+        model_kwargs = {}
         if batch.images:
             # Image features come from the cache (the vision tower is frozen).
-            vision_kwargs = {"mm_encoder_outputs": self.vision.encoder_outputs(batch.images),
-                             "position_ids": batch.position_ids_3BT}
-        with self._row_adapters([adapters[r] for r in batch.row_request]):
+            model_kwargs["mm_encoder_outputs"] = self.vision.encoder_outputs(batch.images)
+        if batch.packed:
+            model_kwargs["segment_lengths"] = batch.segment_lengths
+        datum_adapters = [adapters[r] for r in batch.datum_request]
+        # A packed row holds datums of several runs: then the adapter is chosen per position.
+        repeats = [datum.stop - datum.start for datum in batch.datums] if batch.packed else None
+        with self._row_adapters(datum_adapters, repeats):
             result = self.forward_model(batch.input_ids_BT, batch.attention_mask_BT, batch.real_positions_N,
-                                        batch.targets_NK, loss=None if forward_only else loss, **vision_kwargs)
+                                        batch.targets_NK, position_ids=batch.position_ids,
+                                        loss=None if forward_only else loss, **model_kwargs)
             if forward_only:
                 loss.evaluate(result)
             else:
                 result.backward()  # in the adapters' block: checkpointed layers recompute in backward
         return loss
 
-    def _row_adapters(self, row_adapters: list[LoraAdapter]):
-        """Each row with its own adapter: one adapter for all when they agree, else a stack of them."""
+    def _row_adapters(self, row_adapters: list[LoraAdapter], repeats: list[int] | None = None):
+        """Each row (each datum of a packed row: `repeats` positions each) with its own adapter: one adapter
+        for all when they agree, else a stack of them."""
         distinct = list({id(adapter): adapter for adapter in row_adapters}.values())
         if len(distinct) == 1:
             return use_adapter(self.slot, distinct[0])
         index = {id(adapter): position for position, adapter in enumerate(distinct)}
         # Built under autograd, per micro-batch: each backward frees its graph.
         stack = AdapterStack(self.slot, distinct, self.dtype)
-        return use_adapter_rows(self.slot, stack, torch.tensor([index[id(a)] for a in row_adapters],
-                                                               device=self.device))
+        adapter_B = torch.tensor([index[id(a)] for a in row_adapters])
+        if repeats is not None:
+            adapter_B = adapter_B.repeat_interleave(torch.tensor(repeats))
+        return use_adapter_rows(self.slot, stack, adapter_B.to(self.device))
 
     # -- optimizer -------------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ CLI_OPTIONS = {
     "--training-devices",
     "--activation-checkpointing",
     "--max-tokens-per-microbatch", "--microbatch-tokens",
+    "--microbatch-layout",
     "--max-tokens-per-pass",
     "--max-runs-per-pass",
     "--compile",

@@ -529,9 +529,12 @@ def test_compiled_blocks_give_the_eager_pass_of_several_runs_and_compile_once_fo
                                         for model_id, batch in zip(model_ids, batches)])
     assert counters["stats"]["unique_graphs"] == graphs, "the third pass compiled again"
     reasons = [line.strip() for message in recompiles.messages for line in message.splitlines()
-               if line.strip().startswith("- ")]
-    assert reasons and all(re.search(r"size mismatch|requires_grad mismatch|GLOBAL_STATE changed", reason)
-                           for reason in reasons), reasons
+               if re.match(r"- \d+/\d+: ", line.strip())]  # the failed guards, not their stack traces
+    # Packed rows break each block's graph at the attention (it reads the datums' lengths on the host), so
+    # dynamo also traces transformers' deprecate_kwarg wrapper, one code object that the decoder layer and
+    # its attention call with two and one positional arguments: one entry for each, the same for every block.
+    assert reasons and all(re.search(r"size mismatch|requires_grad mismatch|GLOBAL_STATE changed|len\(args\) == [12]",
+                                     reason) for reason in reasons), reasons
 
 
 class RecordedLogs(logging.Handler):
