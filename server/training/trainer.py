@@ -351,7 +351,9 @@ class Trainer:
         # Each datum's own rope positions: the multimodal ones of a datum with images, else plain ones.
         rope_positions = [example.position_ids if example.position_ids is not None
                           else torch.arange(length).expand(3, -1) for example, length in zip(examples, lengths)]
-        if self.packed:
+        # Datums of one length fill rows exactly: padded rows then hold the same tokens, and attention runs as one
+        # batched call instead of one per datum (10 % of a fixed-shape 4B step on an H100).
+        if self.packed and len(set(lengths)) > 1:
             input_ids_BT = torch.tensor([[token for e in examples for token in e.input_ids]])
             attention_mask_BT = None
             real_positions_N = torch.arange(start)
