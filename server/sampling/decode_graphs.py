@@ -12,6 +12,7 @@ Shapes: R rows of the batch  B rows of the bucket  V vocabulary
 import contextlib
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,20 @@ logger = logging.getLogger(__name__)
 MAX_GRAPHS = 48
 # Eager runs of a bucket before its capture, on a side stream (lazy initialisations, cuDNN's plans).
 _WARMUP_RUNS = 2
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How the running batch decodes, for full-attention models (others grow a DynamicCache every step)."""
+
+    mode: str = "graphs"
+    """graphs (a static cache, steps replayed as CUDA graphs on a CUDA device), static (the same, eagerly) or
+    dynamic (a DynamicCache that grows a position every step)."""
+    rows: int = 8
+    columns: int = 256
+    """The static cache's first capacities (they double as needed)."""
+    column_step: int | None = None
+    """Columns of a decode bucket are a multiple of it; None: 256 on a CUDA device (few graphs), 32 elsewhere."""
 
 
 class DecodeRunner:

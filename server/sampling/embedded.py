@@ -20,7 +20,8 @@ from server.lora.layers import apply_lora_wrappers
 from server.models.loading import load_base_model
 from server.models.vision_features import VisionEncoder
 from server.sampling.adapters import SamplerAdapters
-from server.sampling.embedded_batch import DecodeSettings, EngineModel, _Batch
+from server.sampling.decode_graphs import DecodeSettings
+from server.sampling.embedded_batch import EngineModel, _Batch
 from server.sampling.embedded_requests import _Active, _Line, _Waiting
 from server.sampling.types import SampleOutput, SamplingRequest
 

@@ -24,7 +24,7 @@ from server.models.logprobs import mask_refused, refused_ids_tensor, renormalise
 from server.models.vision_features import VisionEncoder
 from server.rendering.chunks import position_ids
 from server.sampling.batch_cache import DynamicBatchCache, new_cache, row_positions, select_rows
-from server.sampling.decode_graphs import DecodeRunner
+from server.sampling.decode_graphs import DecodeRunner, DecodeSettings
 from server.sampling.draws import best_alternatives, draw, sample_tokens
 from server.sampling.embedded_requests import _Active, _Joining, _Part, _PromptView
 from server.sampling.prefix_cache import PrefixCache, Segment, block_keys, content_ids
@@ -67,20 +67,6 @@ class EngineModel:
         """Whether every layer is full attention, whose positions a static cache can preallocate."""
         return not self.hybrid and "sliding_attention" not in (getattr(self.model.config.get_text_config(),
                                                                        "layer_types", None) or ())
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    """How the running batch decodes, for full-attention models (others grow a DynamicCache every step)."""
-
-    mode: str = "graphs"
-    """graphs (a static cache, steps replayed as CUDA graphs on a CUDA device), static (the same, eagerly) or
-    dynamic (a DynamicCache that grows a position every step)."""
-    rows: int = 8
-    columns: int = 256
-    """The static cache's first capacities (they double as needed)."""
-    column_step: int | None = None
-    """Columns of a decode bucket are a multiple of it; None: 256 on a CUDA device (few graphs), 32 elsewhere."""
 
 
 @dataclass

@@ -10,6 +10,8 @@ between steps, and with them `generation`, which tells the graphs captured over 
 Shapes: R rows (or row capacity)  N rows joining  L columns  P the joining rows' width
 """
 
+from collections import Counter
+
 import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
@@ -78,6 +80,9 @@ class StaticBatchCache:
         self.starts: list[int] = []
         """The first column each row uses (its positions and the holes its mask hides are to the right)."""
         self.generation = 0
+        self.moves: Counter[str] = Counter()
+        """How often the buffers grew, rows were compacted, and columns shifted right (for a wider newcomer)
+        or left (to reclaim padding)."""
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._allocate_inputs()
@@ -130,6 +135,7 @@ class StaticBatchCache:
             for buffer in self.keys + self.values:
                 buffer[:len(kept), :, low:self.width] = buffer[index_N, :, low:self.width]
             self.mask_RL[:len(kept)] = self.mask_RL[index_N]
+            self.moves["compact"] += 1
             self.rows, self.starts = len(kept), [self.starts[row] for row in kept]
 
     def clear(self) -> None:
@@ -215,6 +221,7 @@ class StaticBatchCache:
         self.width -= low
         self.starts = [start - low for start in self.starts]
         self.generation += 1
+        self.moves["grow"] += 1
 
     def _columns_for(self, columns: int) -> int:
         """The fewest columns, a power of two times the step, that hold `columns`."""
@@ -233,5 +240,6 @@ class StaticBatchCache:
         mask_RL = self.mask_RL[:self.rows, source].clone()
         self.mask_RL[:self.rows] = False
         self.mask_RL[:self.rows, target] = mask_RL
+        self.moves["shift right" if by > 0 else "reclaim"] += 1
         self.width += by
         self.starts = [start + by for start in self.starts]
