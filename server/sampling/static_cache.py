@@ -19,9 +19,6 @@ from transformers.cache_utils import CacheLayerMixin, DynamicCache
 # Growth doubles a capacity; past this many times the batch's own budget of positions, a growing buffer is
 # sized to what the batch holds now instead (rows and columns rarely peak at the same time).
 _MAX_POSITIONS_OVER_BUDGET = 4
-# A full buffer reclaims left padding by a shift when that frees at least this share of its columns; otherwise
-# it grows (and the copy into the larger buffer drops the padding too).
-_MIN_RECLAIMED_SHARE = 4
 
 
 class _ColumnLayer(CacheLayerMixin):
@@ -57,8 +54,9 @@ class _ColumnLayer(CacheLayerMixin):
 class StaticBatchCache:
     """The batch's keys, values, attention mask and decode inputs, in buffers that keep their addresses.
 
-    Rows join right-aligned at the write column (the buffers shift when a newcomer is wider than what is used),
-    leave by compaction, and left padding no row needs is reclaimed only when the columns run out.
+    Rows join right-aligned at the write column (the columns shift right when a newcomer is wider than what is
+    used) and leave by compaction; left padding no row needs is reclaimed by a shift as soon as it spans a
+    bucket's step of columns (the steps' attention then covers fewer), or when the columns run out.
     """
 
     def __init__(self, device: torch.device, vision: bool, max_positions: int, *, rows: int = 8,
@@ -66,14 +64,16 @@ class StaticBatchCache:
         """
         Args:
             max_positions: the batch's budget of positions (rows x columns); bounds how far growth may overshoot.
-            rows, columns: the first capacities (rows a power of two, columns a multiple of `column_step`).
+            rows, columns: the first capacities (rounded up to a power of two, and to a power of two times
+                `column_step`).
             column_step: the columns of a decode bucket are a multiple of it.
         """
         self.device = device
         self.vision = vision
         self.max_positions = max_positions
         self.column_step = column_step
-        self.row_capacity, self.column_capacity = rows, columns
+        self.row_capacity = 1 << (rows - 1).bit_length()  # a bucket's rows are a power of two
+        self.column_capacity = self._columns_for(columns)
         self.rows = 0
         self.width = 0
         """Columns in use; every row's next position goes to this column."""
@@ -82,7 +82,7 @@ class StaticBatchCache:
         self.generation = 0
         self.moves: Counter[str] = Counter()
         """How often the buffers grew, rows were compacted, and columns shifted right (for a wider newcomer)
-        or left (to reclaim padding)."""
+        or left (to reclaim padding no row needs)."""
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._allocate_inputs()
@@ -109,8 +109,8 @@ class StaticBatchCache:
             self._allocate_layers(prefilled)
         needed = max(self.used_width, width)
         self._reserve(self.rows + joining, needed + 1)
-        if self.width < width or self.width + 1 > self.column_capacity:
-            self._shift(needed - self.width)  # what is there moves so that it ends where the newcomers do
+        if self.width < width:
+            self._shift(needed - self.width)  # what is there moves right, to end where the newcomers do
         end = self.width
         start, stop = end - width, self.rows + joining
         for buffers, layers in ((self.keys, [layer.keys for layer in prefilled.layers]),
@@ -137,6 +137,8 @@ class StaticBatchCache:
             self.mask_RL[:len(kept)] = self.mask_RL[index_N]
             self.moves["compact"] += 1
             self.rows, self.starts = len(kept), [self.starts[row] for row in kept]
+        if self._bucket_columns(self.used_width + 1) < self._bucket_columns(self.width + 1):
+            self._shift(self.used_width - self.width)  # the steps' attention covers fewer columns from now on
 
     def clear(self) -> None:
         self.rows, self.width, self.starts = 0, 0, []
@@ -152,18 +154,20 @@ class StaticBatchCache:
     def bucket(self) -> tuple[int, int]:
         """Rows and columns the next step's forward covers: rows up to a power of two, columns up to a multiple
         of the step, past the write column."""
-        rows = 1 << (self.rows - 1).bit_length()
-        columns = -(-(self.width + 1) // self.column_step) * self.column_step
-        return rows, min(columns, self.column_capacity)
+        return 1 << (self.rows - 1).bit_length(), self._bucket_columns(self.width + 1)
+
+    def _bucket_columns(self, columns: int) -> int:
+        return -(-columns // self.column_step) * self.column_step
 
     def prepare_step(self, token_R: torch.Tensor, position_R: torch.Tensor, adapter_R: torch.Tensor) -> tuple[int, int]:
         """Make room for the step's column and put its inputs in place; returns its bucket. Padding rows get
-        token 0 at position 0, no adapter, and see their own column only."""
-        if self.width + 1 > self.column_capacity:
-            if self.used_width * _MIN_RECLAIMED_SHARE <= self.column_capacity * (_MIN_RECLAIMED_SHARE - 1):
+        token 0 at position 0 and no adapter, and see at least their own column (no row is all masked); what
+        they compute is dropped."""
+        if self.width + 1 > self.column_capacity:  # no room for the step's column
+            if self.used_width < self.width:
                 self._shift(self.used_width - self.width)
             else:
-                self._reserve(self.rows, self.used_width + 1)
+                self._reserve(self.rows, self.width + 1)
         rows, columns = self.bucket()
         used = self.rows
         self.mask_RL[:rows, self.width] = True
