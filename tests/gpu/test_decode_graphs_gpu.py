@@ -7,21 +7,18 @@ Stated tolerance: the same kernels run in both (a graph replays what its capture
 equal and the logprobs within 2e-2 (bf16; only the warm-up of a capture runs on another stream).
 """
 
-import threading
-
 import pytest
 import torch
 
-from server.config import ImageConfig, ModelConfig
+from server.config import ModelConfig
 from server.lora.layers import apply_lora_wrappers
-from server.rendering.chunks import render_model_input
 from server.sampling.decode_graphs import MAX_GRAPHS, DecodeSettings
 from server.sampling.embedded import EmbeddedEngine, load_engine_model
 from server.sampling.types import AdapterRef, SamplingOptions, SamplingRequest
-from server.wire.model_input import EncodedTextChunk, ImageChunk, ModelInput
+from server.wire.model_input import EncodedTextChunk, ImageChunk
 
-from support.engines import adapter
-from support.vision import context_for, encode, load, noise_image
+from support.engines import adapter, engines_by_mode, join_while_decoding
+from support.vision import encode, load, noise_image, render_prompt as prompt
 
 pytestmark = pytest.mark.gpu
 
@@ -41,15 +38,11 @@ def wrapped(models_dir):
 def engines(models_dir, wrapped):
     config = ModelConfig(base_model=BASE_MODEL, model_path=None, model_cache_dir=models_dir, device="cuda",
                          dtype="bfloat16")
-    made = {mode: EmbeddedEngine(lambda: load_engine_model(config, 1 << 26), decode=DecodeSettings(mode))
-            for mode in ("graphs", "static")}
-    yield made
-    for engine in made.values():
-        engine.close()
+    def make(mode: str) -> EmbeddedEngine:
+        return EmbeddedEngine(lambda: load_engine_model(config, 1 << 26), decode=DecodeSettings(mode))
 
-
-def prompt(base, *chunks):
-    return render_model_input(ModelInput(chunks=list(chunks)), context_for(base, ImageConfig()), "prompt")
+    with engines_by_mode(make, ("graphs", "static")) as made:
+        yield made
 
 
 def requests(base, targets, seed: int) -> list[SamplingRequest]:
@@ -73,23 +66,7 @@ def requests(base, targets, seed: int) -> list[SamplingRequest]:
 
 
 def run(engine: EmbeddedEngine, batch: list[SamplingRequest]) -> list:
-    """The first request alone, the others joining at once when its first sample has three tokens (they are
-    submitted while its token hook holds the engine thread)."""
-    decoding, submitted, sampled = threading.Event(), threading.Event(), []
-
-    def on_token(sample, *_):
-        sampled.append(sample)
-        if sample == 0 and sampled.count(0) == 3:
-            decoding.set()
-            assert submitted.wait(timeout=120)
-
-    first = batch[0]
-    future = engine.submit(SamplingRequest(prompt=first.prompt, options=first.options, num_samples=first.num_samples,
-                                           adapter=first.adapter, on_token=on_token))
-    assert decoding.wait(timeout=120)
-    others = [engine.submit(request) for request in batch[1:]]
-    submitted.set()
-    return [future.result()] + [other.result() for other in others]
+    return join_while_decoding(engine, batch[0], batch[1:])
 
 
 def test_graph_replays_sample_what_eager_steps_sample_and_capture_each_bucket_once(engines, wrapped):

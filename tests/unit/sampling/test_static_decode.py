@@ -5,21 +5,17 @@ next turn comes from the prefix cache (kept sequences copied out of the static b
 small that the buffers grow, compact rows, shift columns right for a wider newcomer and left to reclaim padding.
 The tiny Qwen2-VL in fp32."""
 
-import threading
-
 import pytest
 import torch
 
-from server.config import ImageConfig
 from server.lora.adapter_buffers import AdapterBuffers
 from server.lora.layers import AdapterStack, LoraLinear, apply_lora_wrappers, use_adapter_rows
-from server.rendering.chunks import render_model_input
 from server.sampling.decode_graphs import DecodeSettings
 from server.sampling.types import AdapterRef, SamplingOptions, SamplingRequest
-from server.wire.model_input import EncodedTextChunk, ImageChunk, ModelInput
+from server.wire.model_input import EncodedTextChunk, ImageChunk
 
-from support.engines import adapter, logged_engine
-from support.vision import context_for, encode, load, noise_image
+from support.engines import adapter, engines_by_mode, join_while_decoding, logged_engine
+from support.vision import encode, load, noise_image, render_prompt as prompt
 
 BASE_MODEL = "builtin:tiny-qwen2-vl"
 WIDE = 60
@@ -37,16 +33,12 @@ def wrapped(models_dir):
 
 @pytest.fixture(scope="module")
 def engines(models_dir):
-    made = {mode: logged_engine(BASE_MODEL, models_dir, lambda *_: None, prefix_cache_bytes=1 << 24,
-                                decode=DecodeSettings(mode, rows=1, columns=8, column_step=8))
-            for mode in ("static", "dynamic")}
-    yield made
-    for engine in made.values():
-        engine.close()
+    def make(mode: str):
+        return logged_engine(BASE_MODEL, models_dir, lambda *_: None, prefix_cache_bytes=1 << 24,
+                             decode=DecodeSettings(mode, rows=1, columns=8, column_step=8))
 
-
-def prompt(base, *chunks):
-    return render_model_input(ModelInput(chunks=list(chunks)), context_for(base, ImageConfig()), "prompt")
+    with engines_by_mode(make, ("static", "dynamic")) as made:
+        yield made
 
 
 def text(base, words: str, length: int | None = None) -> EncodedTextChunk:
@@ -55,22 +47,12 @@ def text(base, words: str, length: int | None = None) -> EncodedTextChunk:
 
 
 def mix(engine, base, targets, stop_token: int) -> list:
-    """A long request of two samples, then four more that join at once when it has sampled three tokens (it waits
-    for them in its token hook, on the engine thread)."""
+    """A long request of two samples, then four more that join when it has sampled three tokens."""
     ids = base.tokenizer.encode
     adapters = [AdapterRef(name=f"a{seed}", directory=None, weights=adapter(targets, seed, rank))
                 for seed, rank in [(1, 4), (2, 8)]]
-    decoding, submitted, sampled = threading.Event(), threading.Event(), []
-
-    def on_token(sample, *_):
-        sampled.append(sample)
-        if sampled.count(0) == 3 and sample == 0:
-            decoding.set()
-            assert submitted.wait(timeout=120)
-
     long = SamplingRequest(prompt=prompt(base, text(base, "Count with me:")),
-                           options=SamplingOptions(max_tokens=24, seed=1), num_samples=2, adapter=adapters[0],
-                           on_token=on_token)
+                           options=SamplingOptions(max_tokens=24, seed=1), num_samples=2, adapter=adapters[0])
     image = [EncodedTextChunk(tokens=ids("Look:<|vision_start|>")),
              ImageChunk(data=encode(noise_image(64, 64, seed=1)), format="png"),
              EncodedTextChunk(tokens=ids("<|vision_end|>What is it?"))]
@@ -83,11 +65,7 @@ def mix(engine, base, targets, stop_token: int) -> list:
              SamplingRequest(prompt=prompt(base, text(base, "Three at once")),
                              options=SamplingOptions(max_tokens=5, seed=4, top_k=20, top_p=0.9), num_samples=3,
                              adapter=adapters[0])]
-    first = engine.submit(long)
-    assert decoding.wait(timeout=120)
-    futures = [engine.submit(request) for request in later]
-    submitted.set()
-    return [first.result()] + [future.result() for future in futures]
+    return join_while_decoding(engine, long, later)
 
 
 def assert_same(got, want) -> None:
