@@ -57,6 +57,7 @@ CLI_OPTIONS = {
     "--sampler-max-batch-tokens",
     "--sampler-own-process", "--sampler-process",
     "--prefix-cache-gb",
+    "--sampler-cuda-graphs",
     "--vllm-python",
     "--vllm-url",
     "--vllm-max-num-seqs",
