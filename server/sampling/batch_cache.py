@@ -3,7 +3,8 @@
 A layer of full attention holds keys and values [rows, heads, positions, dim], left-padded to a common
 width; a layer of linear attention (Qwen3.5's Gated DeltaNet) holds, per row, its convolution's last
 inputs and its recurrent state, whatever the row's length. Rows join, leave and lose left padding
-the same way in both; transformers' own batch helpers cover only the first kind.
+the same way in both; transformers' own batch helpers cover only the first kind. `DynamicBatchCache` is the
+running batch's cache on these operations, for the models a static cache (static_cache.py) cannot hold.
 """
 
 import torch

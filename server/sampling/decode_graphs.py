@@ -9,7 +9,6 @@ graphs captured over the old ones go. Graphs share one memory pool; their logits
 Shapes: R rows of the batch  B rows of the bucket  V vocabulary
 """
 
-import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from server.lora.adapter_buffers import AdapterBuffers
-from server.lora.layers import use_adapter_rows
+from server.lora.layers import AdapterSlot, use_adapter_rows
 from server.sampling.static_cache import StaticBatchCache
 
 logger = logging.getLogger(__name__)
@@ -46,7 +45,7 @@ class DecodeSettings:
 class DecodeRunner:
     """Runs decode steps of one model copy over its static cache; counts captures and replays."""
 
-    def __init__(self, model: torch.nn.Module, slot, cache: StaticBatchCache, graphs: bool):
+    def __init__(self, model: torch.nn.Module, slot: AdapterSlot, cache: StaticBatchCache, graphs: bool):
         self.model, self.slot, self.cache = model, slot, cache
         self.graphs_enabled = graphs and cache.device.type == "cuda"
         self.graphs: OrderedDict[tuple, torch.cuda.CUDAGraph] = OrderedDict()
@@ -84,9 +83,7 @@ class DecodeRunner:
 
     def _forward(self, rows: int, columns: int, adapters: AdapterBuffers | None) -> torch.Tensor:
         """The language model and the last position's logits [B, V] (fp32), over a bucket."""
-        in_place = (use_adapter_rows(self.slot, adapters, self.cache.adapter_R[:rows]) if adapters is not None
-                    else contextlib.nullcontext())
-        with in_place:
+        with use_adapter_rows(self.slot, adapters, self.cache.adapter_R[:rows]):
             hidden_B1D = self.model.model(**self.cache.inputs(rows, columns)).last_hidden_state
             return self.model.lm_head(hidden_B1D)[:, -1].float()
 
