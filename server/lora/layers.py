@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +23,9 @@ from server.errors import InvalidRequest
 from server.lora.experts import ExpertProjection, LoraExperts, is_routed_experts
 from server.lora.settings import AdapterSettings
 from server.models.registry import ModelFamily
+
+if TYPE_CHECKING:
+    from server.lora.adapter_buffers import AdapterBuffers
 
 
 @dataclass(frozen=True)
@@ -288,11 +292,16 @@ def use_adapter(slot: AdapterSlot, adapter: LoraAdapter | None) -> Iterator[None
 
 
 @contextmanager
-def use_adapter_rows(slot: AdapterSlot, stack: AdapterStack, row_adapter_B: torch.Tensor) -> Iterator[None]:
-    """Run the enclosed calls with adapter `stack.adapters[row_adapter_B[b]]` on row b of every input.
+def use_adapter_rows(slot: AdapterSlot, stack: "AdapterStack | AdapterBuffers | None",
+                     row_adapter_B: torch.Tensor) -> Iterator[None]:
+    """Run the enclosed calls with adapter `stack.adapters[row_adapter_B[b]]` on row b of every input (for
+    AdapterBuffers, the adapter whose index `use` gave); no stack: the base model on every row.
 
     One entry per position instead (a packed row) works the same way: each position is a row of one.
     """
+    if stack is None:
+        yield
+        return
     row_scales = stack.row_scales(row_adapter_B)
     for layer in slot.layers:
         if layer.name in stack.columns:

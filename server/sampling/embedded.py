@@ -20,6 +20,7 @@ from server.lora.layers import apply_lora_wrappers
 from server.models.loading import load_base_model
 from server.models.vision_features import VisionEncoder
 from server.sampling.adapters import SamplerAdapters
+from server.sampling.decode_graphs import DecodeSettings
 from server.sampling.embedded_batch import EngineModel, _Batch
 from server.sampling.embedded_requests import _Active, _Line, _Waiting
 from server.sampling.types import SampleOutput, SamplingRequest
@@ -40,7 +41,8 @@ class EmbeddedEngine:
     """Continuous batching over one model copy, loaded by the engine thread on the first request."""
 
     def __init__(self, load: Callable[[], EngineModel], adapters: SamplerAdapters | None = None, *,
-                 max_batch_tokens: int = 65536, prefix_cache_bytes: int = 0):
+                 max_batch_tokens: int = 65536, prefix_cache_bytes: int = 0,
+                 decode: DecodeSettings = DecodeSettings()):
         """
         Args:
             load: builds the engine's model copy; called once, on the engine thread.
@@ -50,11 +52,15 @@ class EmbeddedEngine:
                 them may join), except that a request alone in an empty batch always gets a row.
             prefix_cache_bytes: keys and values of earlier sequences kept for the prompts that start like
                 them (prefix_cache.py); 0 keeps none.
+            decode: how decode steps run (a static cache and CUDA graphs by default, for full-attention models).
         """
         self._load = load
         self.adapters = adapters
         self.max_batch_tokens = max_batch_tokens
         self.prefix_cache_bytes = prefix_cache_bytes
+        self.decode = decode
+        self.batch: _Batch | None = None
+        """The running batch, once the engine thread has loaded the model (read its counters, not its rows)."""
         self._waiting: queue.SimpleQueue[_Waiting | None] = queue.SimpleQueue()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-loader")
         self._lock = threading.Lock()
@@ -66,7 +72,8 @@ class EmbeddedEngine:
                   sampler: SamplerConfig) -> "EmbeddedEngine":
         """An engine over its own copy of the base model: a server whose clients never use it never loads it."""
         return cls(lambda: load_engine_model(model, feature_cache_bytes), adapters,
-                   max_batch_tokens=sampler.max_batch_tokens, prefix_cache_bytes=sampler.prefix_cache_bytes)
+                   max_batch_tokens=sampler.max_batch_tokens, prefix_cache_bytes=sampler.prefix_cache_bytes,
+                   decode=DecodeSettings("graphs" if sampler.cuda_graphs else "static"))
 
     def submit(self, request: SamplingRequest) -> Future:
         """Queue one request for the running batch; its future completes when its last sample stops.
@@ -120,7 +127,7 @@ class EmbeddedEngine:
     def _serve(self) -> None:
         """The engine thread: load the model, then admit, prefill and decode until closed."""
         try:
-            batch = _Batch(self._load(), self.max_batch_tokens, self.prefix_cache_bytes)
+            batch = self.batch = _Batch(self._load(), self.max_batch_tokens, self.prefix_cache_bytes, self.decode)
         except Exception as error:
             logger.exception("the embedded sampling engine could not load its model")
             failure = EngineUnavailable(f"the embedded sampling engine could not load its model: {error}")

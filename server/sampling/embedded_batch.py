@@ -9,25 +9,26 @@ Tensor shape suffixes:
   X  cells of target_prompt_logprobs
 """
 
-import contextlib
 import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from server.errors import EngineUnavailable, InvalidRequest
+from server.lora.adapter_buffers import AdapterBuffers
 from server.lora.layers import AdapterSlot, AdapterStack, LoraAdapter, use_adapter_rows
 from server.models.loading import LoadedVision
 from server.models.logprobs import mask_refused, refused_ids_tensor, renormalised_logprobs, zero_refused_targets
 from server.models.vision_features import VisionEncoder
 from server.rendering.chunks import position_ids
-from server.sampling.batch_cache import append_rows, drop_left, new_cache, select_rows
+from server.sampling.batch_cache import DynamicBatchCache, new_cache, row_positions, select_rows
+from server.sampling.decode_graphs import DecodeRunner, DecodeSettings
 from server.sampling.draws import best_alternatives, draw, sample_tokens
 from server.sampling.embedded_requests import _Active, _Joining, _Part, _PromptView
 from server.sampling.prefix_cache import PrefixCache, Segment, block_keys, content_ids
+from server.sampling.static_cache import StaticBatchCache
 from server.sampling.types import PromptAltTokens
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,12 @@ class EngineModel:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def static_decode(self) -> bool:
+        """Whether every layer is full attention, whose positions a static cache can preallocate."""
+        return not self.hybrid and "sliding_attention" not in (getattr(self.model.config.get_text_config(),
+                                                                       "layer_types", None) or ())
+
 
 @dataclass
 class _Prefill:
@@ -84,7 +91,8 @@ class _Batch:
     budget (`rows_that_fit`).
     """
 
-    def __init__(self, engine_model: EngineModel, max_batch_tokens: int, prefix_cache_bytes: int = 0):
+    def __init__(self, engine_model: EngineModel, max_batch_tokens: int, prefix_cache_bytes: int = 0,
+                 decode: DecodeSettings = DecodeSettings()):
         self.m = engine_model
         self.max_batch_tokens = max_batch_tokens
         # A linear-attention layer's state covers a whole sequence: it cannot be cut at a shared prefix.
@@ -95,8 +103,17 @@ class _Batch:
         self.refused_M = refused_ids_tensor(engine_model.refused_token_ids, self.device)
         self.rows: list[tuple[_Active, int]] = []
         """(request, sample index) of each cache row."""
-        self.cache: DynamicCache | None = None
-        self.mask_RL = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+        self.buffers: AdapterBuffers | None = None
+        """Where the rows' adapters are put, with a static cache (graphs read them at fixed addresses)."""
+        if decode.mode != "dynamic" and engine_model.static_decode:
+            step = decode.column_step or (256 if self.device.type == "cuda" else 32)
+            self.cache = StaticBatchCache(self.device, engine_model.vision is not None, max_batch_tokens,
+                                          rows=decode.rows, columns=decode.columns, column_step=step)
+            self.decoder = DecodeRunner(engine_model.model, engine_model.slot, self.cache, decode.mode == "graphs")
+            self.buffers = AdapterBuffers(engine_model.slot, self.dtype, self.device)
+        else:
+            self.cache = self.decoder = DynamicBatchCache(engine_model.model, engine_model.slot,
+                                                          engine_model.vision is not None, self.device)
         self.position_R = torch.zeros(0, dtype=torch.long, device=self.device)
         """The rope position of each row's next input token (every rope axis, for M-RoPE models)."""
         self.token_R = torch.zeros(0, dtype=torch.long, device=self.device)
@@ -106,7 +123,9 @@ class _Batch:
         self.top_p_R = torch.zeros(0, device=self.device)
         """Each row's sampling settings (its request's), so that one pass draws every row."""
         self.adapters: list[LoraAdapter | None] = []
-        self.stack: AdapterStack | None = None
+        self.stack: AdapterStack | AdapterBuffers | None = None
+        self.adapter_index: dict[int, int] = {}
+        """id(adapter) -> the row index that selects it in `stack` (rows of any other: the base model)."""
         self.row_adapter_R = torch.zeros(0, dtype=torch.long, device=self.device)
 
     # -- admission -----------------------------------------------------------------------------
@@ -122,7 +141,7 @@ class _Batch:
         if joining.num_parts and (joining.num_parts + 1) * longest > _MAX_PREFILL_TOKENS:
             return 0
         # After the merge every row is left-padded to the same width, then grows until it stops.
-        width = max(self.mask_RL.shape[1], longest)
+        width = max(self.cache.used_width, longest)
         remaining = max(joining.tokens_left, active.request.options.max_tokens)
         capacity = self.max_batch_tokens // (width + remaining)
         free = capacity - len(self.rows) - joining.num_rows
@@ -192,19 +211,19 @@ class _Batch:
             if plan.part.first == 0:
                 plan.part.active.output.prompt_cache_hit_tokens = plan.cached
             if self.prefix_cache is not None and len(plan.view.block_keys) * self.prefix_cache.block_tokens > plan.matched:
-                self._keep(cache, row, len(plan.view.sequence), plan.view.block_keys)
-        samples_M = torch.tensor([part.count for part in parts], device=self.device)
-        expand_R = torch.repeat_interleave(torch.arange(len(parts), device=self.device), samples_M)
+                self.prefix_cache.insert(plan.view.block_keys, *row_positions(cache, row, len(plan.view.sequence)))
+        expand = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor([part.count for part in parts]))
+        expand_R = expand.to(self.device)
         select_rows(cache, expand_R)
-        self._merge(cache, mask_MP[expand_R], next_position_M[expand_R],
+        self._merge(cache, mask_MP[expand], next_position_M[expand_R],
                     [(part.active, part.first + index) for part in parts for index in range(part.count)])
         first = len(self.rows) - len(expand_R)
         self._sample(last_logits_MV[expand_R], range(first, len(self.rows)))
         self._drop_finished()
 
     def _prefill_forward(self, plans: list[_Prefill]):
-        """One forward over the newcomers' prompts after their cached prefixes; returns their cache, mask, next
-        positions and last logits, and fills in the prompt logprobs of requests starting now.
+        """One forward over the newcomers' prompts after their cached prefixes; returns their cache, mask (on the
+        host), next positions and last logits, and fills in the prompt logprobs of requests starting now.
 
         Row m of the cache holds its prompt's positions as its last ones: first its cached prefix (from its
         segment, left-padded to the longest one), then the positions it runs (left-padded to the most any
@@ -256,12 +275,7 @@ class _Batch:
             active, sequence = plan.part.active, plan.view.sequence
             if active.request.logprobs.scores_prompt and plan.part.first == 0:  # never cached: it runs whole
                 self._score_prompt(active, hidden_MND[row, width - len(sequence):], sequence, adapter_M[row:row + 1])
-        return cache, mask_MP.to(self.device), next_position_M.to(self.device), last_logits_MV
-
-    def _keep(self, cache: DynamicCache, row: int, length: int, keys: list[bytes]) -> None:
-        """Put a row's first `length` positions (its last ones in the cache) into the prefix cache, as copies."""
-        self.prefix_cache.insert(keys, [layer.keys[row, :, -length:].clone() for layer in cache.layers],
-                                 [layer.values[row, :, -length:].clone() for layer in cache.layers])
+        return cache, mask_MP, next_position_M.to(self.device), last_logits_MV
 
     @staticmethod
     def _past(plans: list[_Prefill], past: int, layer: int, kind: str) -> torch.Tensor:
@@ -331,13 +345,7 @@ class _Batch:
                rows: list[tuple[_Active, int]]) -> None:
         """Append new rows to the batch; the shorter side is left-padded (masked-out zero keys)."""
         adapter_N = self._adapter_indices([active.adapter for active, _ in rows])
-        if self.cache is None:
-            self.cache, self.mask_RL = cache, mask_NP
-        else:
-            old, new = self.mask_RL.shape[1], mask_NP.shape[1]
-            width = max(old, new)
-            append_rows(self.cache, cache, old, new)
-            self.mask_RL = torch.cat([F.pad(self.mask_RL, (width - old, 0)), F.pad(mask_NP, (width - new, 0))])
+        self.cache.join(cache, mask_NP)
         self.position_R = torch.cat([self.position_R, next_position_N])
         self.token_R = torch.cat([self.token_R, torch.zeros_like(next_position_N)])
         self.row_adapter_R = torch.cat([self.row_adapter_R, adapter_N])
@@ -353,15 +361,7 @@ class _Batch:
     def decode_step(self) -> None:
         """Feed every row its last token, sample the next one, and let finished requests go."""
         try:
-            self.mask_RL = F.pad(self.mask_RL, (0, 1), value=1)
-            position = self.position_R[:, None]
-            if self.m.vision is not None:
-                position = position.expand(3, -1, -1)  # generated text advances every rope axis
-            with torch.no_grad(), self._rows(self.row_adapter_R):
-                hidden_R1D = self.m.model.model(input_ids=self.token_R[:, None], attention_mask=self.mask_RL,
-                                                position_ids=position, past_key_values=self.cache,
-                                                use_cache=True).last_hidden_state
-                logits_RV = self.m.model.lm_head(hidden_R1D).float()[:, -1]
+            logits_RV = self.decoder.logits(self.token_R, self.position_R, self.row_adapter_R, self.stack)
             self.position_R = self.position_R + 1
             self._sample(logits_RV, range(len(self.rows)))
         except Exception as error:
@@ -431,15 +431,11 @@ class _Batch:
             self._empty()
             return
         self.rows = [self.rows[row] for row in keep]
+        self.cache.keep(keep)
         keep_R = torch.tensor(keep, device=self.device)
-        select_rows(self.cache, keep_R)
-        (self.mask_RL, self.position_R, self.token_R, self.row_adapter_R, self.temperature_R, self.top_k_R,
-         self.top_p_R) = (t[keep_R] for t in (self.mask_RL, self.position_R, self.token_R, self.row_adapter_R,
+        (self.position_R, self.token_R, self.row_adapter_R, self.temperature_R, self.top_k_R,
+         self.top_p_R) = (t[keep_R] for t in (self.position_R, self.token_R, self.row_adapter_R,
                                               self.temperature_R, self.top_k_R, self.top_p_R))
-        first_used = int(self.mask_RL.any(dim=0).nonzero()[0])
-        if first_used > 0:
-            drop_left(self.cache, first_used)
-            self.mask_RL = self.mask_RL[:, first_used:]
 
     def _keep_conversation(self, row: int, active: _Active) -> None:
         """Put a finished request's prompt and completion into the prefix cache: a conversation's next turn
@@ -449,7 +445,7 @@ class _Batch:
         keys = view.block_keys + block_keys(content, view.salt, previous=view.block_keys[-1] if view.block_keys
                                             else None, first_block=len(view.block_keys))
         if len(keys) > len(view.block_keys):
-            self._keep(self.cache, row, len(content), keys)
+            self.prefix_cache.insert(keys, *self.cache.positions(row, len(content)))
 
     def fail_all(self, error: Exception) -> None:
         """Fail every request in the batch (the engine itself goes on) and empty it."""
@@ -460,8 +456,7 @@ class _Batch:
 
     def _empty(self) -> None:
         self.rows = []
-        self.cache = None
-        self.mask_RL = self.mask_RL[:0, :0]
+        self.cache.clear()
         (self.position_R, self.token_R, self.row_adapter_R, self.temperature_R, self.top_k_R,
          self.top_p_R) = (t[:0] for t in (self.position_R, self.token_R, self.row_adapter_R, self.temperature_R,
                                           self.top_k_R, self.top_p_R))
@@ -475,18 +470,22 @@ class _Batch:
         if [id(a) for a in distinct] == [id(a) for a in self.adapters]:
             return
         self.adapters = distinct
-        real = any(a is not None for a in distinct)
-        self.stack = AdapterStack(self.m.slot, distinct, self.dtype) if real else None
+        real = [a for a in distinct if a is not None]
+        if not real:
+            self.stack, self.adapter_index = None, {}
+        elif self.buffers is not None:
+            self.stack, self.adapter_index = self.buffers, self.buffers.use(real)
+        else:
+            self.stack = AdapterStack(self.m.slot, distinct, self.dtype)
+            self.adapter_index = {id(a): index for index, a in enumerate(distinct)}
         self.row_adapter_R = self._adapter_indices([active.adapter for active, _ in self.rows])
 
     def _adapter_indices(self, adapters: list[LoraAdapter | None]) -> torch.Tensor:
-        position = {id(a): index for index, a in enumerate(self.adapters)}
-        return torch.tensor([position[id(a)] for a in adapters], dtype=torch.long, device=self.device)
+        return torch.tensor([self.adapter_index.get(id(a), -1) for a in adapters], dtype=torch.long,
+                            device=self.device)
 
     def _rows(self, adapter_R: torch.Tensor):
-        """The context in which the model's forward gives row r adapter `self.adapters[adapter_R[r]]`."""
-        if self.stack is None:
-            return contextlib.nullcontext()
+        """The context in which the model's forward gives row r the adapter `adapter_index` maps to adapter_R[r]."""
         return use_adapter_rows(self.m.slot, self.stack, adapter_R)
 
 

@@ -7,8 +7,9 @@ from PIL import Image
 
 from server.config import ImageConfig, ModelConfig
 from server.models.loading import LoadedModel, load_base_model
-from server.rendering.chunks import RenderContext
+from server.rendering.chunks import RenderContext, RenderedInput, render_model_input
 from server.rendering.images import ImagePreparer
+from server.wire.model_input import ModelInput
 
 VISION_MODELS = ["builtin:tiny-qwen2-vl", "builtin:tiny-qwen2.5-vl", "builtin:tiny-qwen3-vl",
                  "builtin:tiny-qwen3-vl-moe", "builtin:tiny-qwen3.5", "builtin:tiny-qwen3.5-moe"]
@@ -22,6 +23,11 @@ def load(name: str, models_dir) -> LoadedModel:
 def context_for(base: LoadedModel, config: ImageConfig = ImageConfig(), max_length: int = MAX_LENGTH) -> RenderContext:
     images = ImagePreparer(base.vision.processor, config) if base.vision else None
     return RenderContext.build(base, max_length, images)
+
+
+def render_prompt(base: LoadedModel, *chunks) -> RenderedInput:
+    """A sampling prompt of these chunks, rendered as the server renders it."""
+    return render_model_input(ModelInput(chunks=list(chunks)), context_for(base), "prompt")
 
 
 def encode(image: Image.Image, image_format: str = "PNG") -> bytes:

@@ -59,6 +59,7 @@ CLI_OPTIONS = {
     "--sampler-max-batch-tokens",
     "--sampler-own-process", "--sampler-process",
     "--prefix-cache-gb",
+    "--sampler-cuda-graphs",
     "--vllm-python",
     "--vllm-urls", "--vllm-url",
     "--vllm-replicas",

@@ -41,11 +41,17 @@ def engine_for(models_dir, row_ranks: list | None = None, **kwargs) -> tuple[Emb
     forwards = []
 
     def log(engine_model, call):
-        forwards.append(tuple(call["attention_mask"].shape))
+        mask = call["attention_mask"]
+        if mask.dim() == 4:  # a decode step over a bucket of the static cache: the rows and columns in use
+            cache = engine.batch.cache
+            forwards.append((cache.rows, cache.used_width + 1))
+        else:
+            forwards.append(tuple(mask.shape))
         if row_ranks is not None:
-            row_ranks.append(adapter_rank_per_row(engine_model.slot.layers[0], forwards[-1][0]))
+            row_ranks.append(adapter_rank_per_row(engine_model.slot.layers[0], mask.shape[0]))
 
-    return logged_engine(BASE_MODEL, models_dir, log, **kwargs), forwards
+    engine = logged_engine(BASE_MODEL, models_dir, log, **kwargs)
+    return engine, forwards
 
 
 def adapter_rank_per_row(layer: LoraLinear, num_rows: int) -> list[int]:
