@@ -8,6 +8,7 @@ Knows nothing about what is inside a model directory.
 """
 
 import argparse
+import fcntl
 import hashlib
 import logging
 import os
@@ -100,20 +101,22 @@ def ensure_builtin_model(name: str, cache_dir: Path) -> Path:
         raise ValueError(f"unknown built-in model {name!r}; known: {', '.join(BUILTIN_MODELS)}")
     cache_dir = Path(cache_dir)
     target = cache_dir / name
-    # The directory only ever appears by an atomic rename, so if it exists it is complete.
-    if target.is_dir():
+    # The directory only ever appears by an atomic rename, so if it has its config it is complete.
+    if (target / "config.json").is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_dir))
-    try:
-        BUILTIN_MODELS[name](staging, cache_dir)
-        staging.rename(target)
-    except OSError:
-        # A concurrent build renamed its copy into place first; theirs is identical.
-        if not target.is_dir():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # One builder at a time (training ranks start together): the others wait, then find it built.
+    with open(cache_dir / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if (target / "config.json").is_file():
+            return target
+        shutil.rmtree(target, ignore_errors=True)  # what an interrupted older build may have left
+        staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_dir))
+        try:
+            BUILTIN_MODELS[name](staging, cache_dir)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
