@@ -105,18 +105,26 @@ def ensure_builtin_model(name: str, cache_dir: Path) -> Path:
     if (target / "config.json").is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    # One builder at a time (training ranks start together): the others wait, then find it built.
-    with open(cache_dir / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+    # One builder at a time (training ranks start together): the others wait, then find it built. The lock is
+    # the cache directory's own (no lock file left behind), released when closed, also if this process dies.
+    lock = os.open(cache_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / "config.json").is_file():
             return target
-        shutil.rmtree(target, ignore_errors=True)  # what an interrupted older build may have left
+        shutil.rmtree(target, ignore_errors=True)  # a directory without its config is no model
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_dir))
         try:
             BUILTIN_MODELS[name](staging, cache_dir)
             staging.rename(target)
+        except OSError:
+            # A builder that takes no lock (an older server on the same cache) put its copy in place first.
+            if not (target / "config.json").is_file():
+                raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        os.close(lock)
     return target
 
 
