@@ -112,7 +112,6 @@ def ensure_builtin_model(name: str, cache_dir: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / "config.json").is_file():
             return target
-        shutil.rmtree(target, ignore_errors=True)  # a directory without its config is no model
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_dir))
         try:
             BUILTIN_MODELS[name](staging, cache_dir)

@@ -14,7 +14,8 @@ from support.vision_sdk import ImagePrompts
 
 @pytest.fixture(scope="module")
 def one_rank(models_dir, tmp_path_factory) -> dict:
-    """What one training rank trains."""
+    """What one training rank trains; it builds the model the other servers load first (ranks that start
+    together must not both build it)."""
     server = start_ranks(models_dir, tmp_path_factory, 1)
     try:
         return train(server)
@@ -23,11 +24,9 @@ def one_rank(models_dir, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(one_rank, tmp_path_factory):
-    """A server with two training ranks, kept for the test that kills one. Its model directory starts empty,
-    so both ranks find the built-in missing at once: one builds it and the other waits (a second rank once
-    loaded the first one's half-written directory)."""
-    server = start_ranks(tmp_path_factory.mktemp("models-of-two-ranks"), tmp_path_factory, 2)
+def two_ranks(one_rank, models_dir, tmp_path_factory):
+    """A server with two training ranks, kept for the test that kills one."""
+    server = start_ranks(models_dir, tmp_path_factory, 2)
     yield server
     server.stop()
 
