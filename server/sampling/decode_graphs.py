@@ -101,6 +101,10 @@ class DecodeRunner:
             self._adapters_generation = adapters_generation
         while len(self.graphs) >= MAX_GRAPHS:
             self.graphs.popitem(last=False)
+        if not self.graphs:
+            # A pool lives while a graph captured into it does: with none left, its handle is stale (PyTorch
+            # asserts on a capture into it), so the next graph starts a pool of its own.
+            self._pool = None
         try:
             with torch.no_grad():
                 side = torch.cuda.Stream()
