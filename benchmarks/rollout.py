@@ -2,7 +2,7 @@
 
     python -m benchmarks.rollout                                   (CPU: builtin:tiny-qwen2-vl, float32)
     python -m benchmarks.rollout --device cuda --dtype bfloat16 --requests 256
-    python -m benchmarks.rollout --device cuda --dtype bfloat16 --requests 256 --sides server,server-graphs
+    python -m benchmarks.rollout --device cuda --dtype bfloat16 --requests 256 --sides server,server-eager
     python -m benchmarks.rollout --sides server,server-vllm,raw-vllm --vllm-python .venv-vllm/bin/python
     python -m benchmarks.rollout --sides grid-walk --base-model builtin:smollm2-135m-qwen2-vl --device cuda \
         --dtype bfloat16 --walk-steps 6
@@ -16,8 +16,8 @@ The cookbook's RL loop samples each episode's next turn on its own: one request 
 - one request of `--requests` samples of one prompt: what the engine costs for as many samples.
 The ratio burst / one is what a request costs beyond its sample; 1.0 is the engine's own speed.
 
-Sides: `server` (python -m server, embedded engine, driven by the tinker SDK), `server-graphs` (the same
-with `--sampler-cuda-graphs on`: on a CUDA device, decode steps replayed as CUDA graphs), `server-vllm`
+Sides: `server` (python -m server, embedded engine, driven by the tinker SDK), `server-eager` (the same
+with `--sampler-cuda-graphs off`: on a CUDA device, decode steps run eagerly instead of replayed as CUDA graphs), `server-vllm`
 (python -m server --sampler vllm, the SDK), `raw-vllm` (vLLM's own OpenAI server started with the
 flags the server gives its vLLM, driven over HTTP by one asyncio client, no server of ours). Peak memory
 is the RSS of each side's process tree (CPU) or the GPU memory in use.
@@ -266,8 +266,8 @@ def run_server(args, side: str) -> dict:
     flags = ["--device", args.device, "--dtype", args.dtype, *args.server_args.split()]
     if side == "server-vllm":
         flags += ["--sampler", "vllm", "--vllm-python", str(args.vllm_python)]
-    if side == "server-graphs":
-        flags += ["--sampler-cuda-graphs", "on"]
+    if side == "server-eager":
+        flags += ["--sampler-cuda-graphs", "off"]
     server = start_server(args.work_dir / side, None, args.work_dir / "models", *flags, base_model=args.base_model,
                           startup_seconds=1800)
     try:

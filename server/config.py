@@ -198,10 +198,9 @@ class SamplerConfig:
     prefix_cache_bytes: int = 2 << 30
     """Keys and values of earlier prompts and conversations the embedded engine keeps, so that a prompt that
     starts like one of them (a conversation's next turn) runs only from where they part; 0 keeps none."""
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True
     """On a CUDA device, the embedded engine replays its decode steps as CUDA graphs (over a static cache, for
-    models of full attention only); off, the same steps run eagerly. Off by default until a GPU run has checked
-    the replays against eager steps (tests/gpu/test_decode_graphs_gpu.py)."""
+    models of full attention only); off, the same steps run eagerly."""
 
     def __post_init__(self):
         if self.max_images_per_prompt < 1 or self.max_batch_tokens < 1:
@@ -478,9 +477,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-cache-gb", type=float, default=SamplerConfig.prefix_cache_bytes / (1 << 30),
                         help="GiB of earlier prompts' keys and values the embedded sampler keeps on its device, so "
                              "that a conversation's next turn runs only its new tokens (0: none)")
-    parser.add_argument("--sampler-cuda-graphs", choices=["on", "off"], default="off",
+    parser.add_argument("--sampler-cuda-graphs", choices=["on", "off"],
+                        default="on" if SamplerConfig.cuda_graphs else "off",
                         help="on a CUDA device, replay the embedded sampler's decode steps as CUDA graphs "
-                             "(off: the same steps, eagerly; not yet run on a GPU)")
+                             "(off: the same steps, eagerly)")
     parser.add_argument("--vllm-python", type=Path, default=None,
                         help=f"interpreter of the vLLM venv (default: the one scripts/install_vllm.sh builds, "
                              f"{DEFAULT_VLLM_PYTHON})")
