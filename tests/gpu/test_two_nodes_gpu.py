@@ -1,6 +1,7 @@
 """Two "nodes" of one GPU each on the lent 2-GPU machine (NCCL): the server as node 0 on GPU 0 and torchrun's
 rank 1 as node 1 on GPU 1, each seeing only its own GPU, train as one GPU does within bf16 rounding (the
 tolerances of test_data_parallel_gpu.py); then rank 1 is killed mid-step and the server stops with the cause.
+On a 4-GPU machine, two nodes of two GPUs each train as one node of four does.
 
 Run: `NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
 PYTHONPATH=$PWD python -m pytest -m gpu tests/gpu/test_two_nodes_gpu.py -x -q -s` (NVLink multicast off, as
@@ -47,6 +48,30 @@ def test_two_nodes_of_one_gpu_train_as_one_gpu_and_a_killed_node_stops_the_serve
                            mixed_batch(ImagePrompts(training)))
         check_stopped_for_lost_rank(nodes.server, 1, training.model_id)
         assert nodes.node.wait(timeout=120) != 0
+    finally:
+        nodes.server.stop()
+        nodes.node.kill()
+        nodes.node.wait()
+
+
+def test_two_nodes_of_two_gpus_train_as_one_node_of_four(models_dir, tmp_path_factory):
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs four GPUs (the lent 4-GPU kinds)")
+    os.environ.update(NO_MULTICAST)
+    one_node = start_ranks(models_dir, tmp_path_factory, 4, *CUDA)
+    try:
+        four = train(one_node)
+    finally:
+        one_node.stop()
+    nodes = start_two_nodes(tmp_path_factory.mktemp("two-by-two") / "data", models_dir, *CUDA, ranks_per_node=2,
+                            environments=({"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}))
+    try:
+        two_by_two = train(nodes.server)
+        print("losses", four["losses"], two_by_two["losses"])
+        np.testing.assert_allclose(two_by_two["losses"], four["losses"], rtol=2e-2)
+        for name in ("logprobs", "reloaded", "resumed"):
+            for a, b in zip(two_by_two[name], four[name]):
+                np.testing.assert_allclose(a, b, atol=0.1)
     finally:
         nodes.server.stop()
         nodes.node.kill()

@@ -75,7 +75,7 @@ def train_with_one_and_two_ranks(models_dir, tmp_path_factory, *extra_args: str)
 
 @dataclass
 class TwoNodes:
-    """The server as node 0 (WORLD_SIZE=2, one local rank) and torchrun starting rank 1 as node 1."""
+    """The server as node 0 (its local ranks first) and torchrun starting node 1's ranks after them."""
 
     server: LiveServer
     node: subprocess.Popen
@@ -84,13 +84,14 @@ class TwoNodes:
 
 
 def start_two_nodes(data_dir: Path, models_dir: Path, *model_args: str,
-                    environments: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> TwoNodes:
+                    environments: tuple[dict[str, str], dict[str, str]] = ({}, {}), ranks_per_node: int = 1) -> TwoNodes:
     """Two "nodes" on this host with the README's commands; node 1 has a data directory of its own, sharing
     only the built-in models (which must be built already: both nodes would build them at once).
 
     Args:
         model_args: the model flags both nodes get (`--device cuda --dtype bfloat16`).
-        environments: more variables for node 0 and node 1 (each its own GPU).
+        environments: more variables for node 0 and node 1 (each its own GPUs).
+        ranks_per_node: training ranks of each node (`--gpus` of the server, torchrun's `--nproc-per-node`).
     """
     port = free_port()
     node_dir = data_dir.with_name(f"{data_dir.name}-node-1")
@@ -98,16 +99,18 @@ def start_two_nodes(data_dir: Path, models_dir: Path, *model_args: str,
     (node_dir / "models").symlink_to(models_dir, target_is_directory=True)
     node_log = node_dir / "torchrun.log"
     node = subprocess.Popen(
-        [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1",
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "server.training.workers",
+        [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "2", "--node-rank", "1",
+         "--nproc-per-node", str(ranks_per_node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "server.training.workers",
          "--base-model", BASE_MODEL, "--data-dir", str(node_dir), *model_args],
         cwd=REPO_ROOT, env=dict(os.environ, TORCH_ELASTIC_WORKER_IDENTICAL="1", OMP_NUM_THREADS="2",
                                 **environments[1]),
         stdout=node_log.open("w"), stderr=subprocess.STDOUT)
     try:
-        server = start_server(data_dir, f"sqlite:///{data_dir}/server.db", models_dir, *model_args,
-                              base_model=BASE_MODEL, environment={"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                                                  "MASTER_PORT": str(port), **environments[0]})
+        server = start_server(data_dir, f"sqlite:///{data_dir}/server.db", models_dir, "--gpus", str(ranks_per_node),
+                              *model_args, base_model=BASE_MODEL,
+                              environment={"WORLD_SIZE": str(2 * ranks_per_node), "MASTER_ADDR": "127.0.0.1",
+                                           "MASTER_PORT": str(port), **environments[0]})
     except BaseException:
         node.kill()
         raise
