@@ -31,9 +31,9 @@ SEGMENT_ATTENTION = "segment_sdpa"
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-# torch.nn.attention.varlen is new and still changing: the call below needs its keyword form (torch 2.10 on);
-# torch 2.12 added `enable_gqa`, which it then requires for fewer key/value heads than query heads (its flash
-# kernel took them before, unasked).
+# torch.nn.attention.varlen is new and still changing: the call below needs its keyword form with `scale` and
+# `window_size` (torch 2.11 has it); torch 2.12 added `enable_gqa`, which it then requires for fewer key/value
+# heads than query heads (the flash kernel took them before, unasked, as SDPA's GQA does).
 _VARLEN_PARAMETERS = inspect.signature(varlen_attn).parameters
 _VARLEN_CALLABLE = {"scale", "window_size"} <= _VARLEN_PARAMETERS.keys()
 _VARLEN_ASKS_GQA = "enable_gqa" in _VARLEN_PARAMETERS
