@@ -88,7 +88,7 @@ def _varlen_attention(query_1HTD: torch.Tensor, key_1KTD: torch.Tensor, value_1K
 
 
 def _segment_mask(attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
-    """A packed row (no padding mask) needs no mask at all: each datum is a causal call of its own."""
+    """A packed row (no padding mask) needs no mask at all: its attention keeps each datum to itself."""
     return None if attention_mask is None else sdpa_mask(attention_mask=attention_mask, **kwargs)
 
 
