@@ -10,7 +10,8 @@ the cache after the first step, so the timed steps do not run the vision tower),
 an RL batch looks like, lengths spread log-uniformly between --min-sequence-length (default 200) and
 --sequence-length (e.g. 4096), 0-4 images a sequence, each new in its step or one of a pool of 16 that
 recur (cached; their vision FLOPs are not counted). --layouts packed,padded measures both micro-batch
-layouts (--microbatch-layout), each in processes of its own, and prints their ratio. For
+layouts (--microbatch-layout), each in processes of its own, and prints their ratio (--packed-attention varlen
+runs packed rows as one varlen call per layer instead of one SDPA call per datum, the server's flag). For
 each shape and variant it runs (a) the training backend called in-process (the trainer the server
 builds, fed datums rendered exactly as the API renders them) and (b) the same steps through `python
 -m server` driven by the tinker SDK, and prints tokens/s/GPU, MFU, peak memory, the spread of the
@@ -137,6 +138,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", default="inprocess,api", help="comma-separated: inprocess, api")
     parser.add_argument("--layouts", default=TrainerConfig.microbatch_layout,
                         help="comma-separated micro-batch layouts: packed, padded")
+    parser.add_argument("--packed-attention", choices=("auto", "varlen", "sdpa"), default=TrainerConfig.packed_attention,
+                        help="a packed row's attention (the server's --packed-attention)")
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
@@ -333,12 +336,14 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
         store=StoreConfig(database_url="sqlite://", checkpoint_dir=args.work_dir / "checkpoints"),
         trainer=TrainerConfig(local_ranks=args.gpus, world_size=args.gpus, master_port=free_port(),
                               max_tokens_per_microbatch=args.microbatch_tokens, microbatch_layout=args.layout,
+                              packed_attention=args.packed_attention,
                               activation_checkpointing=args.activation_checkpointing, compile=args.compile))
     start = time.perf_counter()
     ranks = start_local_ranks(config)
     group = init_training_group(0, args.gpus, config.model.device_type, "127.0.0.1", config.trainer.master_port)
     trainer = build_trainer(config.model, config.trainer, config.images.feature_cache_bytes, group)
-    print(f"rank 0 loaded and sharded {shape} in {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"rank 0 loaded and sharded {shape} in {time.perf_counter() - start:.0f} s; packed rows' attention: "
+          f"{trainer.packed_attention}", flush=True)
     base = trainer.base
     preparer = ImagePreparer(base.vision.processor, ImageConfig())
     context = RenderContext.build(base, 1 << 20, preparer)
@@ -425,7 +430,8 @@ def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str,
 
     data_dir = args.work_dir / f"server-{shape}"
     command = ["--model-path", str(model_dir), "--device", args.device, "--dtype", args.dtype, "--gpus", str(args.gpus),
-               "--microbatch-tokens", str(args.microbatch_tokens), "--microbatch-layout", args.layout]
+               "--microbatch-tokens", str(args.microbatch_tokens), "--microbatch-layout", args.layout,
+               "--packed-attention", args.packed_attention]
     if args.activation_checkpointing:
         command.append("--activation-checkpointing")
     if args.compile:
@@ -541,7 +547,7 @@ def main() -> None:
         args.json.write_text(json.dumps(rows, indent=2))
     lengths = (f"{args.min_sequence_length}-{args.sequence_length}" if args.min_sequence_length
                else str(args.sequence_length))
-    print(f"\n{args.sequences} rows of {lengths} tokens per step (micro-batch layouts {args.layouts}), LoRA rank {args.rank}, {args.gpus} GPU(s), "
+    print(f"\n{args.sequences} rows of {lengths} tokens per step (micro-batch layouts {args.layouts}, packed attention {args.packed_attention}), LoRA rank {args.rank}, {args.gpus} GPU(s), "
           f"micro-batch {args.microbatch_tokens} tokens, activation checkpointing {args.activation_checkpointing}, "
           f"compile {args.compile}; {args.warmup} warm-up and {args.steps} timed steps per process, {args.repeats} "
           f"process(es) per mode. image: new images every step (vision FLOPs counted); image-cached: the same "

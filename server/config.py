@@ -87,6 +87,10 @@ class TrainerConfig:
     """packed: a micro-batch's datums end to end in one row, attention and rope positions kept within each
     datum (no padding, no new padded length per batch); padded: one right-padded row per datum. Hybrid
     families (Qwen3.5's linear attention) always use padded rows, see training/packing.py."""
+    packed_attention: str = "sdpa"
+    """The attention of a packed row: varlen, one causal call per layer of PyTorch's varlen flash kernel over
+    the whole row (CUDA, compute capability 8.0 or more, bf16 or fp16); sdpa, one causal SDPA call per datum and
+    layer; auto, varlen where it runs, else sdpa."""
     compile: bool = False
     """torch.compile each decoder block and the unembedding chunks (fuses the many small element-wise
     kernels of norms, rotary embeddings, activations and LoRA; the first steps of each shape compile)."""
@@ -103,6 +107,8 @@ class TrainerConfig:
             raise ValueError(f"max_tokens_per_pass must be positive, got {self.max_tokens_per_pass}")
         if self.microbatch_layout not in ("packed", "padded"):
             raise ValueError(f"microbatch_layout must be packed or padded, got {self.microbatch_layout!r}")
+        if self.packed_attention not in ("auto", "varlen", "sdpa"):
+            raise ValueError(f"packed_attention must be auto, varlen or sdpa, got {self.packed_attention!r}")
         if self.max_runs_per_pass is not None and self.max_runs_per_pass < 1:
             raise ValueError(f"max_runs_per_pass must be positive, got {self.max_runs_per_pass}")
 
@@ -459,6 +465,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatch-layout", choices=("packed", "padded"), default=TrainerConfig.microbatch_layout,
                         help="packed: each micro-batch's datums end to end in one row, attention within each datum; "
                              "padded: one right-padded row per datum (hybrid Qwen3.5 models always)")
+    parser.add_argument("--packed-attention", choices=("auto", "varlen", "sdpa"), default=TrainerConfig.packed_attention,
+                        help="attention of a packed row: varlen, one flash varlen call per layer (CUDA, bf16/fp16); "
+                             "sdpa, one SDPA call per datum; auto: varlen where it runs, else sdpa")
     parser.add_argument("--max-tokens-per-pass", type=int, default=TrainerConfig.max_tokens_per_pass,
                         help="forward_backward tokens per training pass, shared fairly among the runs with work")
     parser.add_argument("--max-runs-per-pass", type=int, default=None,
@@ -557,7 +566,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         trainer=TrainerConfig(local_ranks=local_ranks, training_devices=args.training_devices,
                               activation_checkpointing=args.activation_checkpointing,
                               max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-                              microbatch_layout=args.microbatch_layout, compile=args.compile,
+                              microbatch_layout=args.microbatch_layout, packed_attention=args.packed_attention,
+                              compile=args.compile,
                               max_tokens_per_pass=args.max_tokens_per_pass,
                               max_runs_per_pass=args.max_runs_per_pass,
                               # torchrun's variables when ranks on other nodes join (see the README)

@@ -2,19 +2,23 @@
 attending to itself alone.
 
 The row goes through the HF model with rope positions restarting at each datum and no padding mask;
-the decoder's attention (`apply_segment_attention`) then runs SDPA once per datum, causal, told where
-the datums end by the `segment_lengths` keyword: no [N, N] block-diagonal mask is built, no position
-attends across datums, and on a GPU each call takes PyTorch's flash kernel, which needs no per-length
-plan. Padded rows (a padding mask given) run exactly as transformers' own SDPA runs them. Knows
-nothing about losses, adapters or ranks.
+the decoder's attention (`apply_segment_attention`) is told where the datums end by the
+`segment_lengths` keyword and keeps each datum to itself: no [N, N] block-diagonal mask is built and
+no position attends across datums. Where PyTorch's varlen flash kernel runs (`packed_attention`), the
+row takes ONE causal varlen call per layer, told the datums' boundaries by `cu_seqlens` (built once
+per micro-batch); elsewhere (CPU, fp32) one causal SDPA call per datum. Padded rows (a padding mask
+given) run exactly as transformers' own SDPA runs them. Knows nothing about losses, adapters or ranks.
 
-Shapes: B = rows, H = heads, T = positions of a row, D = head size, S = datums of a packed row.
+Shapes: B = rows, H = heads (K of them for keys and values under GQA), T = positions of a row, D = head
+size, S = datums of a packed row.
 """
 
 import contextlib
+import inspect
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -27,14 +31,44 @@ SEGMENT_ATTENTION = "segment_sdpa"
 _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+# torch.nn.attention.varlen is new and still changing: the call below needs its keyword form with `scale` and
+# `window_size` (torch 2.11 has it); torch 2.12 added `enable_gqa`, which it then requires for fewer key/value
+# heads than query heads (the flash kernel took them before, unasked, as SDPA's GQA does).
+_VARLEN_PARAMETERS = inspect.signature(varlen_attn).parameters
+_VARLEN_CALLABLE = {"scale", "window_size"} <= _VARLEN_PARAMETERS.keys()
+_VARLEN_ASKS_GQA = "enable_gqa" in _VARLEN_PARAMETERS
+
+
+def packed_attention(setting: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`varlen` or `sdpa`, the attention of packed rows for --packed-attention `setting`: auto is varlen
+    where PyTorch's varlen flash kernel runs (a CUDA GPU of compute capability 8.0 or more, bf16 or fp16),
+    else sdpa; varlen where it cannot run is refused."""
+    runs = (_VARLEN_CALLABLE and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+    if setting == "varlen" and not runs:
+        raise ValueError(f"--packed-attention varlen needs PyTorch's varlen flash kernel (torch {torch.__version__}"
+                         f"), a CUDA GPU of compute capability 8.0 or more and bf16 or fp16; here {device}, {dtype}")
+    return "varlen" if runs and setting != "sdpa" else "sdpa"
+
+
+def cumulative_lengths(segment_lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Where each datum of a packed row starts, and the row's end: int32 [S + 1] on `device` (varlen's cu_seqlens)."""
+    return torch.nn.functional.pad(segment_lengths.cumsum(0), (1, 0)).to(device, torch.int32)
+
+
 @torch.compiler.disable  # the datums' lengths are read on the host: a compiled block breaks its graph here
 def segment_attention(module: torch.nn.Module, query_BHTD: torch.Tensor, key_BHTD: torch.Tensor,
                       value_BHTD: torch.Tensor, attention_mask: torch.Tensor | None,
-                      segment_lengths: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention, or with `segment_lengths` (int64 [S] on the host) one causal SDPA
-    per datum of a packed row; the output is [B, T, H, D] either way."""
+                      segment_lengths: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, or with `segment_lengths` (int64 [S] on the host) a packed row's: one
+    causal varlen call given `cu_seqlens` (`cumulative_lengths`), else one causal SDPA per datum; the output
+    is [B, T, H, D] either way."""
     if segment_lengths is None:
         return sdpa_attention_forward(module, query_BHTD, key_BHTD, value_BHTD, attention_mask, **kwargs)
+    if cu_seqlens is not None:
+        return _varlen_attention(query_BHTD, key_BHTD, value_BHTD, cu_seqlens, int(segment_lengths.max()),
+                                 kwargs.get("scaling")), None
     lengths = segment_lengths.tolist()
     with sdpa_kernel(_NO_CUDNN) if query_BHTD.is_cuda else contextlib.nullcontext():
         pieces = [sdpa_attention_forward(module, query, key, value, None, **kwargs)[0]
@@ -43,8 +77,18 @@ def segment_attention(module: torch.nn.Module, query_BHTD: torch.Tensor, key_BHT
     return torch.cat(pieces, dim=1), None
 
 
+def _varlen_attention(query_1HTD: torch.Tensor, key_1KTD: torch.Tensor, value_1KTD: torch.Tensor,
+                      cu_seqlens: torch.Tensor, longest: int, scaling: float | None) -> torch.Tensor:
+    """One causal varlen flash call over a packed row (GQA's K < H heads taken as they are); [1, T, H, D]."""
+    query_THD, key_TKD, value_TKD = (x[0].transpose(0, 1) for x in (query_1HTD, key_1KTD, value_1KTD))
+    gqa = {"enable_gqa": True} if _VARLEN_ASKS_GQA and key_TKD.shape[1] != query_THD.shape[1] else {}
+    output_THD = varlen_attn(query_THD, key_TKD, value_TKD, cu_seqlens, cu_seqlens, longest, longest,
+                             scale=scaling, window_size=(-1, 0), **gqa)  # (-1, 0): causal
+    return output_THD[None]
+
+
 def _segment_mask(attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
-    """A packed row (no padding mask) needs no mask at all: each datum is a causal call of its own."""
+    """A packed row (no padding mask) needs no mask at all: its attention keeps each datum to itself."""
     return None if attention_mask is None else sdpa_mask(attention_mask=attention_mask, **kwargs)
 
 

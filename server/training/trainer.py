@@ -30,7 +30,7 @@ from server.rendering.training import TrainingExample
 from server.training.forward import TargetLogprobs
 from server.training.losses import DatumLoss, MicrobatchLoss, combine_metrics, resolve_loss
 from server.training.operations import CreateModel, ForwardBackward, LoadState, OptimStep, RankCommand, Unload
-from server.training.packing import apply_segment_attention, pack_first_fit
+from server.training.packing import apply_segment_attention, cumulative_lengths, pack_first_fit, packed_attention
 from server.training.parallel import TrainingGroup, prepare_blocks
 from server.wire.models import LoraConfig
 from server.wire.training import AdamParams
@@ -94,6 +94,8 @@ class _LoadedMicroBatch:
     positions restarting at each datum, or with images [4, 1, N], those then the three rope axes."""
     segment_lengths: torch.Tensor | None
     """Packed: each datum's length (int64, on the host), for the attention (training/packing.py)."""
+    cu_seqlens: torch.Tensor | None
+    """Packed, varlen attention: where each datum starts, and the row's end (int32 [S + 1], on the device)."""
 
     @property
     def packed(self) -> bool:
@@ -165,6 +167,7 @@ class Trainer:
         # Linear attention (hybrid families) would carry its recurrent state from one datum into the next
         # of a packed row: transformers' PyTorch path takes no sequence boundaries.
         self.packed = config.microbatch_layout == "packed" and not base.family.hybrid
+        self.packed_attention = packed_attention(config.packed_attention, self.device, self.dtype)
         apply_segment_attention(base.model)
         refused = base.vision.reserved_token_ids if base.vision is not None else frozenset()
         self.forward_model = TargetLogprobs(base.model, config.logprob_chunk_size, config.compile, refused)
@@ -361,6 +364,7 @@ class Trainer:
             if images:  # transformers' 4-row form: the text positions (where datums restart), then rope's three axes
                 position_ids = torch.cat([position_ids, torch.cat(rope_positions, dim=1)])[:, None]
             segment_lengths = torch.tensor(lengths)
+            cu_seqlens = cumulative_lengths(segment_lengths, self.device) if self.packed_attention == "varlen" else None
         else:
             longest = max(lengths)
             input_ids_BT = torch.zeros(len(examples), longest, dtype=torch.long)
@@ -373,13 +377,13 @@ class Trainer:
                     position_ids[:, row, :length] = rope_positions[row]
             real_positions_N = torch.cat([torch.arange(length) + row * longest for row, length in enumerate(lengths)])
             attention_mask_BT = attention_mask_BT.to(self.device)
-            segment_lengths = None
+            segment_lengths = cu_seqlens = None
         return _LoadedMicroBatch(
             keys=[(r, d) for r, d, _ in batch], datum_request=[r for r, _, _ in batch],
             input_ids_BT=input_ids_BT.to(self.device), attention_mask_BT=attention_mask_BT,
             real_positions_N=real_positions_N.to(self.device), targets_NK=targets_NK.to(self.device),
             datums=datums, images=images, position_ids=None if position_ids is None else position_ids.to(self.device),
-            segment_lengths=segment_lengths)
+            segment_lengths=segment_lengths, cu_seqlens=cu_seqlens)
 
     def _run_microbatch(self, batch: _LoadedMicroBatch, adapters: list[LoraAdapter],
                         forward_only: bool) -> MicrobatchLoss:
@@ -391,6 +395,8 @@ class Trainer:
             model_kwargs["mm_encoder_outputs"] = self.vision.encoder_outputs(batch.images)
         if batch.packed:
             model_kwargs["segment_lengths"] = batch.segment_lengths
+            if batch.cu_seqlens is not None:
+                model_kwargs["cu_seqlens"] = batch.cu_seqlens
         datum_adapters = [adapters[r] for r in batch.datum_request]
         # A packed row holds datums of several runs: then the adapter is chosen per position.
         repeats = [datum.stop - datum.start for datum in batch.datums] if batch.packed else None

@@ -51,6 +51,7 @@ CLI_OPTIONS = {
     "--activation-checkpointing",
     "--max-tokens-per-microbatch", "--microbatch-tokens",
     "--microbatch-layout",
+    "--packed-attention",
     "--max-tokens-per-pass",
     "--max-runs-per-pass",
     "--compile",
