@@ -54,6 +54,7 @@ from torch.profiler import record_function
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.random_weights import random_state_dict  # noqa: E402
 from tests.support.live_server import start_server  # noqa: E402
 from server.config import ImageConfig, ModelConfig, ServerConfig, StoreConfig, TrainerConfig  # noqa: E402
 from server.models.expert_layout import INDEX, write_safetensors  # noqa: E402
@@ -144,7 +145,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--write-device", default=None,
-                        help="where the random weights are made (default --device; cpu for a model one GPU cannot hold)")
+                        help="where the random weights are made, a module at a time (default --device)")
     parser.add_argument("--write-only", action="store_true",
                         help="write the shapes' model directories under --work-dir and stop (a later run reuses them)")
     parser.add_argument("--sequences", type=int, default=32)
@@ -174,8 +175,9 @@ def parse_args() -> argparse.Namespace:
 
 def write_model(shape: str, out: Path, device: str) -> Path:
     """A model directory of the shape's family: the built-in tokenizer and processor files, random weights
-    with a MoE's experts fused as the model holds them (save_pretrained would split them per expert, as
-    releases store them, and every rank would then fuse them again on load: minutes for a 35B)."""
+    made on `device` one module at a time (random_weights.py: a 35B in about the time its bytes take to
+    write) with a MoE's experts fused as the model holds them (save_pretrained would split them per expert,
+    as releases store them, and every rank would then fuse them again on load: minutes for a 35B)."""
     import transformers
 
     if (out / INDEX).exists():  # written last: the directory is complete
@@ -194,15 +196,11 @@ def write_model(shape: str, out: Path, device: str) -> Path:
                           **{k: tiny[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                                   "vision_end_token_id")})
     start = time.perf_counter()
-    with torch.device(device):
+    with torch.device("meta"):  # names, shapes and dtypes only: the weights are made module by module
         model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
     model.config.save_pretrained(out)  # (the tiny model's generation_config.json stays: its end tokens)
-    unique = {}  # a tied unembedding is the embedding's tensor: written once, as save_pretrained does
-    for name, tensor in model.state_dict().items():
-        unique.setdefault(tensor.data_ptr(), (name, tensor))
-    write_safetensors(unique.values(), out)
+    write_safetensors(random_state_dict(model, device), out)
     print(f"wrote {out} in {time.perf_counter() - start:.0f} s", flush=True)
-    del model
     if device == "cuda":
         torch.cuda.empty_cache()  # else this process keeps the model's memory from the server it starts next
     return out
