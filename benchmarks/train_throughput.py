@@ -338,7 +338,8 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
                               activation_checkpointing=args.activation_checkpointing, compile=args.compile))
     start = time.perf_counter()
     ranks = start_local_ranks(config)
-    group = init_training_group(0, args.gpus, config.model.device_type, "127.0.0.1", config.trainer.master_port)
+    group = init_training_group(0, args.gpus, config.model.device_type, "127.0.0.1", config.trainer.master_port,
+                                local_ranks=args.gpus)
     trainer = build_trainer(config.model, config.trainer, config.images.feature_cache_bytes, group)
     print(f"rank 0 loaded and sharded {shape} in {time.perf_counter() - start:.0f} s; packed rows' attention: "
           f"{trainer.packed_attention}", flush=True)

@@ -81,7 +81,7 @@ def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
     training_ranks = start_local_ranks(config)
     trainer_config = config.trainer
     group = init_training_group(0, trainer_config.world_size, config.model.device_type, trainer_config.master_addr,
-                                trainer_config.master_port, trainer_config.training_devices)
+                                trainer_config.master_port, trainer_config.training_devices, trainer_config.local_ranks)
     started = time.perf_counter()
     trainer = build_trainer(config.model, trainer_config, config.images.feature_cache_bytes, group)
     base = trainer.base  # what requests need to know of the model: name, tokenizer, vocabulary, vision

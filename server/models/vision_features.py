@@ -57,7 +57,7 @@ class VisionEncoder:
 
     @torch.no_grad()
     def _compute(self, images: list[PreparedImage]) -> dict[str, ImageFeatures]:
-        pixel_values = torch.cat([image.pixel_values for image in images]).to(self.device)
+        pixel_values = torch.cat([image.pixel_values_on(self.device) for image in images])
         grid_thw = torch.tensor([image.grid_thw for image in images], dtype=torch.long, device=self.device)
         output = self.backbone.get_image_features(pixel_values, grid_thw, return_dict=True)
         self._output_type = type(output)

@@ -8,6 +8,7 @@ sharded: there FSDP would only copy each block's weights into a gather buffer an
 forward and every backward. Knows nothing about losses, requests or the API.
 """
 
+import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -69,13 +70,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def host_thread_share(local_ranks: int) -> int:
+    """torch's intra-op threads for one of `local_ranks` training processes of this host: its share of the
+    CPUs, never more than torch uses already (OMP_NUM_THREADS). Each process taking every CPU puts its host
+    ops' threads on cores the others' threads hold: on the 2-core CPU box, 4 processes of 2 threads prepared
+    an image 8x slower than 4 of one thread (benchmarks/RESULTS.md, "RL-like batches over ranks")."""
+    return max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0)) // local_ranks))
+
+
 def init_training_group(rank: int, world_size: int, device_type: str, master_addr: str,
-                        master_port: int, devices: tuple[int, ...] | None = None) -> TrainingGroup:
-    """Join (or, on rank 0, open) the training process group: NCCL on GPUs, gloo on CPUs.
+                        master_port: int, devices: tuple[int, ...] | None = None,
+                        local_ranks: int = 1) -> TrainingGroup:
+    """Join (or, on rank 0, open) the training process group: NCCL on GPUs, gloo on CPUs; with other
+    training processes on this host, use only this one's share of its CPUs.
 
     Args:
         devices: the GPU of each local rank (--training-devices); None: local rank r on GPU r.
     """
+    if local_ranks > 1:
+        torch.set_num_threads(host_thread_share(local_ranks))
     if device_type == "cuda" and torch.cuda.device_count() == 0:
         raise ValueError("--device cuda, but this machine has no CUDA GPU that torch can use "
                          f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use --device cpu")

@@ -28,7 +28,7 @@ def run_rank(config: ServerConfig, rank: int) -> None:
     trainer_config = config.trainer
     group = init_training_group(rank, trainer_config.world_size, config.model.device_type,
                                 trainer_config.master_addr, trainer_config.master_port,
-                                trainer_config.training_devices)
+                                trainer_config.training_devices, trainer_config.local_ranks)
     exit_when_leader_dies(group.lifelines)
     trainer = build_trainer(config.model, trainer_config, config.images.feature_cache_bytes, group)
     logger.info("training rank %d of %d ready on %s (pid %d)", rank, group.world_size, group.device, os.getpid())

@@ -126,6 +126,7 @@ def test_png_bytes_decode_back_to_the_same_resized_pixels_which_need_no_further_
     again = preparer.prepare(prepared.png_bytes, "y")
     assert torch.equal(again.pixels, prepared.pixels)
     torch.testing.assert_close(again.pixel_values, prepared.pixel_values, rtol=0, atol=0)
+    assert prepared.pixel_values_on(torch.device("cpu")) is prepared.pixel_values  # derived once on the host
 
 
 def test_asset_pointers_read_only_files_under_the_image_root(qwen2_vl, tmp_path):
