@@ -163,7 +163,8 @@ class _Child:
                 if stopping:
                     self._connection.send(None)
             except Exception as error:  # the child is gone (the reader fails the rest), or a request did not pickle
-                failure = EngineUnavailable(f"the embedded sampling engine's process is gone: {error}")
+                failure = EngineUnavailable(f"the request could not be sent to the embedded sampling engine's "
+                                            f"process: {error}")
                 self._fail([message[1] for message in messages if message[0] == "sample"], failure)
             if stopping:
                 return
