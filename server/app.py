@@ -183,7 +183,7 @@ class RequestMetrics:
             await self.app(scope, receive, send_and_note)
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
-            self.metrics.http_requests.labels(route, scope["method"], str(status[0])).inc()
+            self.metrics.count_http(route, scope["method"], status[0])
 
 
 class HotRoutes:
@@ -213,7 +213,7 @@ class HotRoutes:
         except Exception as error:
             response = await self.refuse(request, error)
         await response(scope, receive, send)
-        self.metrics.http_requests.labels(scope["path"], "POST", str(response.status_code)).inc()
+        self.metrics.count_http(scope["path"], "POST", response.status_code)
 
 
     def _lifespan_send(self, send):

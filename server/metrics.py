@@ -40,9 +40,22 @@ class ServerMetrics:
         self._sampling: dict[str, SamplingTally] = {}
         """Per tenant (one entry per tenant that sampled: bounded by the keys issued)."""
         self._sampling_lock = threading.Lock()  # responses are also made on worker threads
+        self._children: dict[tuple, Counter | Histogram] = {}
+        """Each labelled series used, by (metric, labels): `labels()` takes a lock and checks its values, a few
+        times per sample request."""
+
+    def _series(self, metric: Counter | Histogram, *labels: str) -> Counter | Histogram:
+        key = (metric, *labels)
+        series = self._children.get(key)
+        if series is None:
+            series = self._children[key] = metric.labels(*labels)
+        return series
+
+    def count_http(self, route: str, method: str, status: int) -> None:
+        self._series(self.http_requests, route, method, str(status)).inc()
 
     def observe_request(self, request_type: str, outcome: str, seconds: float) -> None:
-        self.request_seconds.labels(request_type, outcome).observe(seconds)
+        self._series(self.request_seconds, request_type, outcome).observe(seconds)
 
     def set_queue_depth(self, model_id: str, depth: int) -> None:
         self.queue_depth.labels(model_id).set(depth)
@@ -64,7 +77,7 @@ class ServerMetrics:
         self.count_tokens("trained", num_tokens)
 
     def count_tokens(self, kind: str, count: int) -> None:
-        self.tokens.labels(kind).inc(count)
+        self._series(self.tokens, kind).inc(count)
 
     def count_sample(self, owner: str, sampled: int, prompt_cached: int, prompt_computed: int) -> None:
         """One sampling request answered: the server's token counters, and the tenant's tally."""

@@ -42,7 +42,7 @@ class EmbeddedEngine:
 
     def __init__(self, load: Callable[[], EngineModel], adapters: SamplerAdapters | None = None, *,
                  max_batch_tokens: int = 65536, prefix_cache_bytes: int = 0,
-                 decode: DecodeSettings = DecodeSettings()):
+                 decode: DecodeSettings = DecodeSettings(), after_step: Callable[[], None] | None = None):
         """
         Args:
             load: builds the engine's model copy; called once, on the engine thread.
@@ -53,12 +53,15 @@ class EmbeddedEngine:
             prefix_cache_bytes: keys and values of earlier sequences kept for the prompts that start like
                 them (prefix_cache.py); 0 keeps none.
             decode: how decode steps run (a static cache and CUDA graphs by default, for full-attention models).
+            after_step: called on the engine thread after each pass of its loop (and after it fails requests),
+                once the futures that pass completed are done: what they started may be sent on together.
         """
         self._load = load
         self.adapters = adapters
         self.max_batch_tokens = max_batch_tokens
         self.prefix_cache_bytes = prefix_cache_bytes
         self.decode = decode
+        self._after_step = after_step or (lambda: None)
         self.batch: _Batch | None = None
         """The running batch, once the engine thread has loaded the model (read its counters, not its rows)."""
         self._waiting: queue.SimpleQueue[_Waiting | None] = queue.SimpleQueue()
@@ -69,11 +72,11 @@ class EmbeddedEngine:
 
     @classmethod
     def on_demand(cls, model: ModelConfig, feature_cache_bytes: int, adapters: SamplerAdapters,
-                  sampler: SamplerConfig) -> "EmbeddedEngine":
+                  sampler: SamplerConfig, after_step: Callable[[], None] | None = None) -> "EmbeddedEngine":
         """An engine over its own copy of the base model: a server whose clients never use it never loads it."""
         return cls(lambda: load_engine_model(model, feature_cache_bytes), adapters,
                    max_batch_tokens=sampler.max_batch_tokens, prefix_cache_bytes=sampler.prefix_cache_bytes,
-                   decode=DecodeSettings("graphs" if sampler.cuda_graphs else "static"))
+                   decode=DecodeSettings("graphs" if sampler.cuda_graphs else "static"), after_step=after_step)
 
     def submit(self, request: SamplingRequest) -> Future:
         """Queue one request for the running batch; its future completes when its last sample stops.
@@ -108,6 +111,10 @@ class EmbeddedEngine:
                 self._thread.start()
             self._waiting.put(waiting)
 
+    def on_engine_thread(self) -> bool:
+        """Whether the caller is the engine thread (whose completions `after_step` follows)."""
+        return threading.current_thread() is self._thread
+
     def sample(self, request: SamplingRequest) -> SampleOutput:
         """Sample one request in the running batch; blocks until its last sample stops."""
         return self.submit(request).result()
@@ -133,6 +140,7 @@ class EmbeddedEngine:
             failure = EngineUnavailable(f"the embedded sampling engine could not load its model: {error}")
             while (waiting := self._waiting.get()) is not None:
                 waiting.future.set_exception(failure)
+                self._after_step()
             return
         line = _Line()
         while True:
@@ -148,6 +156,7 @@ class EmbeddedEngine:
                 batch.prefill(parts)
             if batch.rows:
                 batch.decode_step()
+            self._after_step()
         failure = EngineUnavailable("the server is shutting down")
         batch.fail_all(failure)
         line.fail_all(failure)
@@ -155,9 +164,10 @@ class EmbeddedEngine:
             try:
                 waiting = self._waiting.get_nowait()
             except queue.Empty:
-                return
+                break
             if waiting is not None:
                 waiting.future.set_exception(failure)
+        self._after_step()
 
     def _take_arrivals(self, line: "_Line", device: torch.device) -> bool:
         """Move the requests that arrived into the line; whether the engine is closing."""

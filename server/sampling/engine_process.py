@@ -43,7 +43,7 @@ class EngineProcess:
     def __init__(self, model: ModelConfig, feature_cache_bytes: int, sampler: SamplerConfig):
         self.model, self.feature_cache_bytes, self.sampler = model, feature_cache_bytes, sampler
         self._lock = threading.Lock()
-        """Held while the child is started or a message is sent to it."""
+        """Held while the child is started or a message is queued for it."""
         self._child: _Child | None = None
         self._closed = False
 
@@ -75,7 +75,13 @@ class EngineProcess:
 
 class _Child:
     """One child process and what the parent knows of it: requests in flight, adapters it holds. Its methods
-    are called under the EngineProcess's lock (but the reader thread's)."""
+    are called under the EngineProcess's lock (but the reader's and the writer's threads).
+
+    Messages cross the pipe in batches: the writer thread sends whatever was queued since its last send as one
+    message, so that the caller (the event loop) never waits on the pipe while the child is busy with a step,
+    and a burst's requests reach the child (and take its interpreter lock) together; the child answers each
+    engine step's finished requests (and streamed tokens) in one message too.
+    """
 
     def __init__(self, owner: EngineProcess):
         context = multiprocessing.get_context("spawn")
@@ -86,15 +92,21 @@ class _Child:
         self.process.start()
         child_end.close()
         self.alive = True
+        """False once the reader saw the child end (under `_pending_lock`): nothing more is taken."""
         self._ids = itertools.count()
         self._pending: dict[int, Future] = {}
         self._streams: dict[int, TokenHook] = {}
         """The `on_token` of each pending request that streams."""
         self._pending_lock = threading.Lock()
+        self._outbox: list[tuple | None] = []
+        """Messages not sent yet, in order (None: stop)."""
+        self._queued = threading.Condition(threading.Lock())
         self._adapters: set[str] = set()
         """Names of the snapshots whose weights the child holds."""
         self._reader = threading.Thread(target=self._read, name="embedded-sampler-reader", daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="embedded-sampler-writer", daemon=True)
+        self._writer.start()
 
     def submit(self, request: SamplingRequest) -> Future:
         future, request_id = Future(), next(self._ids)
@@ -109,64 +121,90 @@ class _Child:
                 self._adapters.add(adapter.name)
             request = dataclasses.replace(request, adapter=dataclasses.replace(adapter, weights=None))
         with self._pending_lock:
+            if not self.alive:
+                raise EngineUnavailable("the embedded sampling engine's process is gone; send the request again")
             self._pending[request_id] = future
             if on_token is not None:
                 self._streams[request_id] = on_token
-        try:
-            self._connection.send(("sample", request_id, request, weights, on_token is not None))
-        except (OSError, ValueError) as error:  # the child is gone: the reader fails what it held
-            with self._pending_lock:
-                self._pending.pop(request_id, None)
-                self._streams.pop(request_id, None)
-            raise EngineUnavailable(f"the embedded sampling engine's process is gone: {error}") from error
+        self._send(("sample", request_id, request, weights, on_token is not None))
         return future
 
     def forget(self, adapter_name: str) -> None:
         if adapter_name in self._adapters:
             self._adapters.discard(adapter_name)
-            try:
-                self._connection.send(("forget", adapter_name))
-            except (OSError, ValueError):
-                pass
+            self._send(("forget", adapter_name))
 
     def close(self) -> None:
-        try:
-            self._connection.send(None)
-        except (OSError, ValueError):
-            pass
+        self._send(None)
+        self._writer.join(timeout=60)
         self.process.join(timeout=60)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
         self._reader.join(timeout=10)
 
+    def _send(self, message: tuple | None) -> None:
+        with self._queued:
+            self._outbox.append(message)
+            self._queued.notify()
+
+    def _write(self) -> None:
+        """Writer thread: send the messages queued since the last send as one; fail the requests it could not send."""
+        while True:
+            with self._queued:
+                while not self._outbox:
+                    self._queued.wait()
+                messages, self._outbox = self._outbox, []
+            stopping = messages[-1] is None
+            messages = [message for message in messages if message is not None]
+            try:
+                if messages:
+                    self._connection.send(messages)
+                if stopping:
+                    self._connection.send(None)
+            except Exception as error:  # the child is gone (the reader fails the rest), or a request did not pickle
+                failure = EngineUnavailable(f"the request could not be sent to the embedded sampling engine's "
+                                            f"process: {error}")
+                self._fail([message[1] for message in messages if message[0] == "sample"], failure)
+            if stopping:
+                return
+
+    def _fail(self, request_ids: list[int], error: Exception) -> None:
+        with self._pending_lock:
+            futures = [self._pending.pop(request_id, None) for request_id in request_ids]
+            for request_id in request_ids:
+                self._streams.pop(request_id, None)
+        for future in futures:
+            if future is not None:
+                future.set_exception(error)
+
     def _read(self) -> None:
         """Reader thread: complete each future with what the child answers, stream the tokens it sends; fail the
         rest if it dies."""
         try:
             while True:
-                request_id, output, error = self._connection.recv()
-                if output == _TOKEN:
+                for request_id, output, error in self._connection.recv():
+                    if output == _TOKEN:
+                        with self._pending_lock:
+                            on_token = self._streams[request_id]
+                        on_token(*error)
+                        continue
                     with self._pending_lock:
-                        on_token = self._streams[request_id]
-                    on_token(*error)
-                    continue
-                with self._pending_lock:
-                    future = self._pending.pop(request_id)
-                    self._streams.pop(request_id, None)
-                if error is None:
-                    future.set_result(output)
-                else:
-                    future.set_exception(error)
+                        future = self._pending.pop(request_id)
+                        self._streams.pop(request_id, None)
+                    if error is None:
+                        future.set_result(output)
+                    else:
+                        future.set_exception(error)
         except (EOFError, OSError):
             pass
-        self.alive = False
         code = self.process.exitcode
         if code not in (0, None):
             logger.error("event=sampler_process_died exitcode=%s", code)
         failure = EngineUnavailable(f"the embedded sampling engine's process ended (exit code {code}); send the "
                                     f"request again")
         with self._pending_lock:
+            self.alive = False
             pending, self._pending, self._streams = self._pending, {}, {}
         for future in pending.values():
             future.set_exception(failure)
@@ -177,45 +215,59 @@ def _cpu_copy(adapter: LoraAdapter) -> LoraAdapter:
 
 
 def _serve(connection: Connection, model: ModelConfig, feature_cache_bytes: int, sampler: SamplerConfig) -> None:
-    """The child: an EmbeddedEngine fed from the pipe; each answer is (request id, output, error)."""
-    engine = EmbeddedEngine.on_demand(model, feature_cache_bytes, SamplerAdapters(sampler, model.device), sampler)
-    snapshots: dict[str, LoraAdapter] = {}
+    """The child: an EmbeddedEngine fed from the pipe. Its answers, (request id, output, error) each, go back in
+    one message per engine step; an answer made off the engine thread (a request it refused) goes at once."""
+    outbox: list[tuple] = []
     sending = threading.Lock()
+    """Held while the outbox is added to or sent, so that messages keep their order."""
 
-    def send_token(request_id: int, *token) -> None:
+    def send_answers() -> None:
         with sending:
+            if not outbox:
+                return
             try:
-                connection.send((request_id, _TOKEN, token))
+                connection.send(outbox)
             except (OSError, ValueError):  # the parent is gone
                 pass
+            outbox.clear()
+
+    engine = EmbeddedEngine.on_demand(model, feature_cache_bytes, SamplerAdapters(sampler, model.device), sampler,
+                                      after_step=send_answers)
+    snapshots: dict[str, LoraAdapter] = {}
+
+    def send_token(request_id: int, *token) -> None:  # on the engine thread: goes with its step's answers
+        with sending:
+            outbox.append((request_id, _TOKEN, token))
 
     def answer(request_id: int, done: Future) -> None:
         error = done.exception()
         with sending:
-            try:
-                connection.send((request_id, None if error else done.result(), _picklable(error)))
-            except (OSError, ValueError):  # the parent is gone
-                pass
+            outbox.append((request_id, None if error else done.result(), _picklable(error)))
+        if not engine.on_engine_thread():
+            send_answers()
 
-    while (message := connection.recv()) is not None:
-        if message[0] == "forget":
-            snapshots.pop(message[1], None)
-            continue
-        _, request_id, request, weights, streams = message
-        if streams:
-            request = dataclasses.replace(request, on_token=functools.partial(send_token, request_id))
-        adapter = request.adapter
-        if weights is not None:
-            snapshots[adapter.name] = weights.frozen_copy(device=model.device)
-        if adapter is not None and adapter.name in snapshots:
-            request = dataclasses.replace(request, adapter=dataclasses.replace(adapter, weights=snapshots[adapter.name]))
-        try:
-            future = engine.submit(request)
-        except Exception as error:
-            future = Future()
-            future.set_exception(error)
-        future.add_done_callback(lambda done, request_id=request_id: answer(request_id, done))
+    while (messages := connection.recv()) is not None:
+        for message in messages:
+            if message[0] == "forget":
+                snapshots.pop(message[1], None)
+                continue
+            _, request_id, request, weights, streams = message
+            if streams:
+                request = dataclasses.replace(request, on_token=functools.partial(send_token, request_id))
+            adapter = request.adapter
+            if weights is not None:
+                snapshots[adapter.name] = weights.frozen_copy(device=model.device)
+            if adapter is not None and adapter.name in snapshots:
+                request = dataclasses.replace(request, adapter=dataclasses.replace(adapter,
+                                                                                   weights=snapshots[adapter.name]))
+            try:
+                future = engine.submit(request)
+            except Exception as error:
+                future = Future()
+                future.set_exception(error)
+            future.add_done_callback(functools.partial(answer, request_id))
     engine.close()
+    send_answers()
 
 
 def _picklable(error: BaseException | None) -> BaseException | None:

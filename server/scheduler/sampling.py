@@ -8,8 +8,9 @@ Training order is elsewhere (ordering.py). Knows nothing about HTTP, rendering o
 
 import asyncio
 import concurrent.futures
+import itertools
+import secrets
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -81,6 +82,10 @@ class SamplingFutures:
         self._responding: set[asyncio.Task] = set()
         """Responses being made on worker threads (kept referenced until done)."""
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Request ids: this process's own random prefix and a count (uuid4 reads the system's randomness, a system
+        # call that also lets other threads take the interpreter lock, on every request).
+        self._id_prefix = f"{REQUEST_ID_PREFIX}{secrets.token_hex(8)}-"
+        self._ids = itertools.count()
 
     def submit(self, *, owner: str, sampling_session_id: str, seq_id: int | None, payload_hash: str,
                request: SamplingRequest, respond: Respond, respond_in_thread: bool = False,
@@ -113,7 +118,7 @@ class SamplingFutures:
                 release()
             raise
         self._loop = self._loop or asyncio.get_running_loop()
-        request_id = REQUEST_ID_PREFIX + uuid.uuid4().hex
+        request_id = f"{self._id_prefix}{next(self._ids)}"
         future = _Future(owner, key, payload_hash, time.perf_counter(), release)
         future.engine_future = engine_future
         self._futures[request_id] = future

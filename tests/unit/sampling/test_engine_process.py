@@ -1,15 +1,17 @@
 """The embedded engine in a process of its own samples exactly what it samples in this process: the base model
 and an in-memory adapter (its weights cross once, by name), text and image prompts, each token handed to the
 request's on_token as it is here; a process that dies fails the requests it held with a 503 and the next
-request starts a new one. The tiny Qwen2-VL on the CPU."""
+request starts a new one. Requests sent together cross the pipe together and come back each with its own answer;
+one the child refuses off its engine thread is answered at once. The tiny Qwen2-VL on the CPU."""
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from server.config import ModelConfig, SamplerConfig
-from server.errors import EngineUnavailable
+from server.errors import EngineUnavailable, NotFound
 from server.lora.layers import apply_lora_wrappers
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedEngine
@@ -78,6 +80,23 @@ def test_the_engine_in_its_own_process_samples_what_it_samples_here(engines, bas
     child.forget("snapshot-1")  # dropped there too; a later request sends the weights again
     with_adapter = requests(base, models_dir)[1]
     assert child.sample(with_adapter).sequences[0].tokens == here.sample(with_adapter).sequences[0].tokens
+
+
+def test_requests_sent_together_each_get_their_own_answer(engines, base, models_dir):
+    child, here = engines
+    burst = requests(base, models_dir)
+    got = [future.result(timeout=120) for future in [child.submit(request) for request in burst]]
+    expected = [future.result(timeout=120) for future in [here.submit(request) for request in burst]]
+    for a, b in zip(got, expected, strict=True):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+
+
+def test_a_request_refused_off_the_engine_thread_is_answered_at_once(engines, base, models_dir):
+    child, _ = engines
+    gone = AdapterRef(name="gone", directory=Path("/nonexistent/checkpoint"), weights=None)
+    # The child's adapter loader refuses it (no files): its answer does not wait for an engine step.
+    with pytest.raises(NotFound, match="are gone"):
+        child.submit(dataclasses.replace(requests(base, models_dir)[0], adapter=gone)).result(timeout=60)
 
 
 def test_a_process_that_dies_fails_what_it_held_and_the_next_request_starts_another(engines, base, models_dir):
