@@ -160,23 +160,30 @@ class _Child:
             try:
                 if messages:
                     self._connection.send(messages)
-                if stopping:
-                    self._connection.send(None)
-            except Exception as error:  # the child is gone (the reader fails the rest), or a request did not pickle
-                failure = EngineUnavailable(f"the request could not be sent to the embedded sampling engine's "
-                                            f"process: {error}")
-                self._fail([message[1] for message in messages if message[0] == "sample"], failure)
+            except Exception:  # the child is gone, or a request did not pickle (nothing was written): one by one,
+                for message in messages:  # so that only what cannot be sent fails
+                    self._send_alone(message)
             if stopping:
+                try:
+                    self._connection.send(None)
+                except (OSError, ValueError):  # the child is gone already
+                    pass
                 return
 
-    def _fail(self, request_ids: list[int], error: Exception) -> None:
+    def _send_alone(self, message: tuple) -> None:
+        try:
+            self._connection.send([message])
+        except Exception as error:  # the reader fails the rest if the child is gone
+            if message[0] == "sample":
+                self._fail(message[1], EngineUnavailable(
+                    f"the request could not be sent to the embedded sampling engine's process: {error}"))
+
+    def _fail(self, request_id: int, error: Exception) -> None:
         with self._pending_lock:
-            futures = [self._pending.pop(request_id, None) for request_id in request_ids]
-            for request_id in request_ids:
-                self._streams.pop(request_id, None)
-        for future in futures:
-            if future is not None:
-                future.set_exception(error)
+            future = self._pending.pop(request_id, None)
+            self._streams.pop(request_id, None)
+        if future is not None:
+            future.set_exception(error)
 
     def _read(self) -> None:
         """Reader thread: complete each future with what the child answers, stream the tokens it sends; fail the

@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from safetensors.torch import load_file
 from tinker import types
 
@@ -16,6 +17,9 @@ from support.sdk import forward_logprobs
 from support.vision_sdk import ImagePrompts, noise
 
 BASE_MODEL = "builtin:tiny-qwen2-vl"
+CUDA_BF16 = ("--device", "cuda", "--dtype", "bfloat16")
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+"""NVLink multicast off, as benchmarks/README.md asks on a machine of several GPUs."""
 ADAM = types.AdamParams(learning_rate=3e-3, weight_decay=0.01, grad_clip_norm=1.0)
 
 
@@ -55,6 +59,15 @@ def train(server) -> dict:
             "adapter": adapter}
 
 
+def assert_trained_alike_in_bf16(got: dict, want: dict) -> None:
+    """`train`'s results of the same run on GPUs within bf16 rounding (test_data_parallel_gpu.py's tolerances)."""
+    print("losses", want["losses"], got["losses"])
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=2e-2)
+    for name in ("logprobs", "reloaded", "resumed"):
+        for a, b in zip(got[name], want[name]):
+            np.testing.assert_allclose(a, b, atol=0.1)
+
+
 def start_ranks(models_dir: Path, tmp_path_factory, world_size: int, *extra_args: str) -> LiveServer:
     """A server with `world_size` training ranks on this node."""
     data_dir = tmp_path_factory.mktemp(f"world-{world_size}")
@@ -84,7 +97,8 @@ class TwoNodes:
 
 
 def start_two_nodes(data_dir: Path, models_dir: Path, *model_args: str,
-                    environments: tuple[dict[str, str], dict[str, str]] = ({}, {}), ranks_per_node: int = 1) -> TwoNodes:
+                    environments: tuple[dict[str, str], dict[str, str]] = ({}, {}),
+                    ranks_per_node: int = 1) -> TwoNodes:
     """Two "nodes" on this host with the README's commands; node 1 has a data directory of its own, sharing
     only the built-in models (which must be built already: both nodes would build them at once).
 

@@ -2,7 +2,8 @@
 and an in-memory adapter (its weights cross once, by name), text and image prompts, each token handed to the
 request's on_token as it is here; a process that dies fails the requests it held with a 503 and the next
 request starts a new one. Requests sent together cross the pipe together and come back each with its own answer;
-one the child refuses off its engine thread is answered at once. The tiny Qwen2-VL on the CPU."""
+one the child refuses off its engine thread is answered at once, and one that cannot be pickled fails alone.
+The tiny Qwen2-VL on the CPU."""
 
 import dataclasses
 from pathlib import Path
@@ -97,6 +98,23 @@ def test_a_request_refused_off_the_engine_thread_is_answered_at_once(engines, ba
     # The child's adapter loader refuses it (no files): its answer does not wait for an engine step.
     with pytest.raises(NotFound, match="are gone"):
         child.submit(dataclasses.replace(requests(base, models_dir)[0], adapter=gone)).result(timeout=60)
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise TypeError("this cannot cross a pipe")
+
+
+def test_a_request_that_cannot_cross_the_pipe_fails_alone(engines, base, models_dir):
+    child, here = engines
+    good, other = requests(base, models_dir)[:2]
+    odd = dataclasses.replace(good, adapter=AdapterRef(name="odd", directory=Unpicklable(), weights=None))
+    futures = [child.submit(request) for request in (good, odd, other)]  # queued together, sent together
+    with pytest.raises(EngineUnavailable, match="could not be sent"):
+        futures[1].result(timeout=60)
+    for future, request in ((futures[0], good), (futures[2], other)):
+        assert [s.tokens for s in future.result(timeout=120).sequences] == \
+            [s.tokens for s in here.sample(request).sequences]
 
 
 def test_a_process_that_dies_fails_what_it_held_and_the_next_request_starts_another(engines, base, models_dir):
