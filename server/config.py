@@ -87,7 +87,7 @@ class TrainerConfig:
     """packed: a micro-batch's datums end to end in one row, attention and rope positions kept within each
     datum (no padding, no new padded length per batch); padded: one right-padded row per datum. Hybrid
     families (Qwen3.5's linear attention) always use padded rows, see training/packing.py."""
-    packed_attention: str = "sdpa"
+    packed_attention: str = "auto"
     """The attention of a packed row: varlen, one causal call per layer of PyTorch's varlen flash kernel over
     the whole row (CUDA, compute capability 8.0 or more, bf16 or fp16); sdpa, one causal SDPA call per datum and
     layer; auto, varlen where it runs, else sdpa."""
