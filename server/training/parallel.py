@@ -127,6 +127,7 @@ def choose_base_sharding(setting: str, base: nn.Module, group: TrainingGroup, lo
     """
     if group.world_size == 1:
         return "replicate"
+    setting = group.broadcast(setting)  # rank 0's flag: a torchrun node started without it must agree
     if setting != "auto":
         return setting
     if group.device.type == "cuda":
