@@ -16,8 +16,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 """Where scripts/install_vllm.sh builds the vLLM venv (in the checkout, wherever the server starts)."""
 REPLICATE_SHARE = 0.35
-"""--base-sharding auto replicates a base of at most this share of a training device's memory: the 8B (16 GiB in
-bf16, 20 % of an 80 GiB GPU) trains in 60 GiB on one GPU, so its whole copy fits; the 35B-A3B (70 GiB) does not."""
+"""--base-sharding auto replicates a base of at most this share of a training device's memory: the 8B (about 18 GB
+in bf16, a fifth of an 80 GB GPU) trains in 60 GiB on one GPU, so a whole copy per rank fits; the 35B-A3B (70 GB)
+does not."""
 # vLLM's --max-lora-rank only accepts these values.
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
