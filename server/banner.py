@@ -23,7 +23,7 @@ def server_url(config: ServerConfig) -> str:
 
 
 def start_banner(config: ServerConfig, model_path: Path, model_type: str, bootstrap_key: str | None,
-                 bootstrap_tenant: str) -> str:
+                 bootstrap_tenant: str, base_sharding: str) -> str:
     url = server_url(config)
     lines = [
         RULE,
@@ -31,6 +31,8 @@ def start_banner(config: ServerConfig, model_path: Path, model_type: str, bootst
         f"  Address:    {url}" + ("" if is_loopback(config.host) else f"   (bound to {config.host})"),
         f"  Model:      {model_path}  ({model_type}, {config.model.dtype})",
         f"  Training:   LoRA on {config.model.device}, {config.trainer.world_size} rank(s)"
+        + (f", base {'sharded (FSDP2)' if base_sharding == 'shard' else 'replicated'}"
+           if config.trainer.world_size > 1 else "")
         + (", torch.compile" if config.trainer.compile else ""),
         f"  Sampling:   {_sampling_engine(config)}",
         f"  Data:       {config.data_dir}  (journal: {_journal(config.store.database_url)})",

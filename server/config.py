@@ -15,6 +15,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 """Where scripts/install_vllm.sh builds the vLLM venv (in the checkout, wherever the server starts)."""
+REPLICATE_SHARE = 0.35
+"""--base-sharding auto replicates a base of at most this share of a training device's memory: the 8B (about 18 GB
+in bf16, a fifth of an 80 GB GPU) trains in 60 GiB on one GPU, so a whole copy per rank fits; the 35B-A3B (70 GB)
+does not."""
 # vLLM's --max-lora-rank only accepts these values.
 _LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -91,6 +95,11 @@ class TrainerConfig:
     """The attention of a packed row: varlen, one causal call per layer of PyTorch's varlen flash kernel over
     the whole row (CUDA, compute capability 8.0 or more, bf16 or fp16); sdpa, one causal SDPA call per datum and
     layer; auto, varlen where it runs, else sdpa."""
+    base_sharding: str = "auto"
+    """How ranks hold the frozen base at world size > 1: shard, FSDP2 over the ranks (each block gathered in every
+    forward and backward); replicate, a whole copy on each rank (no gathers; the base's bytes on every device);
+    auto, replicate when the base's parameters take at most REPLICATE_SHARE of the smallest training device's
+    memory (on CPUs: of a local rank's share of the host's memory), else shard."""
     compile: bool = False
     """torch.compile each decoder block and the unembedding chunks (fuses the many small element-wise
     kernels of norms, rotary embeddings, activations and LoRA; the first steps of each shape compile)."""
@@ -111,6 +120,8 @@ class TrainerConfig:
             raise ValueError(f"packed_attention must be auto, varlen or sdpa, got {self.packed_attention!r}")
         if self.max_runs_per_pass is not None and self.max_runs_per_pass < 1:
             raise ValueError(f"max_runs_per_pass must be positive, got {self.max_runs_per_pass}")
+        if self.base_sharding not in ("auto", "shard", "replicate"):
+            raise ValueError(f"base_sharding must be auto, shard or replicate, got {self.base_sharding!r}")
 
 
 @dataclass(frozen=True)
@@ -468,6 +479,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--packed-attention", choices=("auto", "varlen", "sdpa"), default=TrainerConfig.packed_attention,
                         help="attention of a packed row: varlen, one flash varlen call per layer (CUDA, bf16/fp16); "
                              "sdpa, one SDPA call per datum; auto: varlen where it runs, else sdpa")
+    parser.add_argument("--base-sharding", choices=("auto", "shard", "replicate"), default=TrainerConfig.base_sharding,
+                        help="over several training ranks: shard the frozen base (FSDP2) or keep a whole copy on each "
+                             "rank (no all-gathers, the base's memory on every GPU); auto: replicate when the base "
+                             f"takes at most {REPLICATE_SHARE * 100:.0f}%% of a training device's memory")
     parser.add_argument("--max-tokens-per-pass", type=int, default=TrainerConfig.max_tokens_per_pass,
                         help="forward_backward tokens per training pass, shared fairly among the runs with work")
     parser.add_argument("--max-runs-per-pass", type=int, default=None,
@@ -567,7 +582,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                               activation_checkpointing=args.activation_checkpointing,
                               max_tokens_per_microbatch=args.max_tokens_per_microbatch,
                               microbatch_layout=args.microbatch_layout, packed_attention=args.packed_attention,
-                              compile=args.compile,
+                              base_sharding=args.base_sharding, compile=args.compile,
                               max_tokens_per_pass=args.max_tokens_per_pass,
                               max_runs_per_pass=args.max_runs_per_pass,
                               # torchrun's variables when ranks on other nodes join (see the README)

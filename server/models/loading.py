@@ -82,7 +82,8 @@ def load_base_model(config: ModelConfig, device: torch.device | str | None = Non
     Args:
         blocks_on_host: leave the decoder blocks where the load put them (memory-mapped from the
             checkpoint when its dtype is `config.dtype`) for FSDP to move block by block while it
-            shards them: a rank then never holds the whole model, on its device or in its own memory.
+            shards them: a rank then never holds the whole model, on its device or in its own memory
+            (or, replicated, for the trainer to move whole once the ranks have chosen).
     """
     device = device if device is not None else config.device
     with Progress("model_load", f"Loading {config.base_model}", logger, base_model=config.base_model,

@@ -1,11 +1,13 @@
-"""Data parallelism for training: the process group, the FSDP2 sharding of the frozen base, and the
-objects rank 0 sends to the other ranks.
+"""Data parallelism for training: the process group, how the ranks hold the frozen base, and the objects
+rank 0 sends to the other ranks.
 
-Every training rank holds the frozen base sharded with FSDP2 (`fully_shard` per decoder block, then
-the root) and a full replica of each run's LoRA adapter and AdamW state, which are small; LoRA
-gradients are summed across ranks before each optimizer step. At world size 1 the base is not
-sharded: there FSDP would only copy each block's weights into a gather buffer and out again, in every
-forward and every backward. Knows nothing about losses, requests or the API.
+Each training rank holds a full replica of each run's LoRA adapter and AdamW state, which are small;
+LoRA gradients are summed across ranks before each optimizer step. The frozen base is either sharded
+with FSDP2 (`fully_shard` per decoder block, then the root: a rank holds 1/N of it, and every forward
+and backward gathers each block's weights) or, when it fits each device with room to spare, replicated
+whole on every rank (no collective until the gradients' sum). At world size 1 it is whole: there FSDP
+would only copy each block's weights into a gather buffer and out again. Knows nothing about losses,
+requests or the API.
 """
 
 import os
@@ -21,6 +23,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from server.config import REPLICATE_SHARE
 from server.training.lifelines import Lifelines
 
 # Generous: rank 0 may wait a long time between two training requests.
@@ -35,7 +38,7 @@ class TrainingGroup:
     world_size: int
     device: torch.device
     mesh: DeviceMesh
-    """The data-parallel mesh the base model is sharded over."""
+    """The data-parallel mesh the base model is sharded over (when it is)."""
     objects: dist.ProcessGroup
     """A gloo group for Python objects (commands, datums, outputs), whatever the device backend."""
     lifelines: Lifelines | None = None
@@ -115,10 +118,38 @@ def init_training_group(rank: int, world_size: int, device_type: str, master_add
     return group
 
 
-def prepare_blocks(root: nn.Module, decoder_layers: nn.ModuleList, ignored: nn.Module | None, mesh: DeviceMesh,
-                   activation_checkpointing: bool, compile: bool) -> None:
-    """Checkpoint and compile each decoder block as asked; over several ranks, shard the frozen base
-    (each decoder block is one FSDP unit, the rest of `root` another).
+def choose_base_sharding(setting: str, base: nn.Module, group: TrainingGroup, local_ranks: int) -> str:
+    """How the ranks hold the frozen base for --base-sharding `setting`: `shard` or `replicate` (also at world
+    size 1, where the one rank holds it whole); the same answer on every rank.
+
+    auto replicates when the base's parameters take at most REPLICATE_SHARE of the smallest training device's
+    memory: a GPU's, or on CPUs this rank's share of its host's (each local rank keeps its own copy there).
+    """
+    if group.world_size == 1:
+        return "replicate"
+    setting = group.broadcast(setting)  # rank 0's flag: a torchrun node started without it must agree
+    if setting != "auto":
+        return setting
+    if group.device.type == "cuda":
+        memory = torch.cuda.get_device_properties(group.device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_ranks
+    smallest = torch.tensor([memory], dtype=torch.int64)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=group.objects)  # ranks of other nodes may have less
+    parameter_bytes = sum(parameter.numel() * parameter.element_size() for parameter in base.parameters())
+    return auto_base_sharding(parameter_bytes, int(smallest))
+
+
+def auto_base_sharding(parameter_bytes: int, device_memory_bytes: int) -> str:
+    """--base-sharding auto's choice for a base of `parameter_bytes` on devices of `device_memory_bytes`."""
+    return "replicate" if parameter_bytes <= REPLICATE_SHARE * device_memory_bytes else "shard"
+
+
+def prepare_blocks(root: nn.Module, decoder_layers: nn.ModuleList, ignored: nn.Module | None, group: TrainingGroup,
+                   sharding: str, activation_checkpointing: bool, compile: bool) -> None:
+    """Checkpoint and compile each decoder block as asked; then over several ranks either shard the frozen
+    base (`sharding` shard: each decoder block is one FSDP unit, the rest of `root` another) or move the
+    blocks that the load left on the host to this rank's device whole (replicate).
 
     Args:
         root: the module whose forward runs the whole computation, so that its hooks gather the
@@ -126,6 +157,9 @@ def prepare_blocks(root: nn.Module, decoder_layers: nn.ModuleList, ignored: nn.M
         ignored: parameters FSDP leaves whole on every rank (the vision tower, which runs outside
             the root's forward, once per image, and must not wait for other ranks' collectives).
     """
+    shard = group.world_size > 1 and sharding == "shard"
+    if not shard:
+        decoder_layers.to(group.device)
     for index, layer in enumerate(decoder_layers):
         # Checkpointing, then compiling, then sharding each block: torchtitan's order.
         if activation_checkpointing:
@@ -133,7 +167,7 @@ def prepare_blocks(root: nn.Module, decoder_layers: nn.ModuleList, ignored: nn.M
             decoder_layers[index] = layer
         if compile:
             layer.compile()
-        if mesh.size() > 1:
-            fully_shard(layer, mesh=mesh)
-    if mesh.size() > 1:
-        fully_shard(root, mesh=mesh, ignored_params=set(ignored.parameters()) if ignored is not None else None)
+        if shard:
+            fully_shard(layer, mesh=group.mesh)
+    if shard:
+        fully_shard(root, mesh=group.mesh, ignored_params=set(ignored.parameters()) if ignored is not None else None)

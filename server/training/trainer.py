@@ -31,7 +31,7 @@ from server.training.forward import TargetLogprobs
 from server.training.losses import DatumLoss, MicrobatchLoss, combine_metrics, resolve_loss
 from server.training.operations import CreateModel, ForwardBackward, LoadState, OptimStep, RankCommand, Unload
 from server.training.packing import apply_segment_attention, cumulative_lengths, pack_first_fit, packed_attention
-from server.training.parallel import TrainingGroup, prepare_blocks
+from server.training.parallel import TrainingGroup, choose_base_sharding, prepare_blocks
 from server.wire.models import LoraConfig
 from server.wire.training import AdamParams
 
@@ -146,8 +146,9 @@ def _restore_optimizer(optimizer: torch.optim.AdamW, copy: list[tuple[torch.Tens
 
 def build_trainer(model: ModelConfig, config: TrainerConfig, feature_cache_bytes: int,
                   group: TrainingGroup) -> "Trainer":
-    """Load the base model on this rank's device and shard it for training."""
-    # Over several ranks the decoder blocks reach the device one at a time, each as FSDP shards it.
+    """Load the base model on this rank's device and shard or replicate it for training."""
+    # Over several ranks the decoder blocks reach the device once the ranks have chosen how to hold them:
+    # one at a time, each as FSDP shards it, or whole.
     base = load_base_model(model, device=group.device, blocks_on_host=group.world_size > 1)
     vision = VisionEncoder(base.model, feature_cache_bytes) if base.vision is not None else None
     return Trainer(base, config, group, vision)
@@ -175,8 +176,9 @@ class Trainer:
         # Hybrid models always recompute: transformers' PyTorch path for linear attention keeps ~4x the
         # activations (a Qwen3.5-4B micro-batch of 8,192 tokens ran out of an H100's memory without; 16 GiB
         # and no slower with).
+        self.base_sharding = choose_base_sharding(config.base_sharding, base.model, group, config.local_ranks)
         prepare_blocks(self.forward_model, base.model.get_submodule(base.family.language_model_prefix.rstrip(".")),
-                       base.model.get_submodule(tower) if tower else None, group.mesh,
+                       base.model.get_submodule(tower) if tower else None, group, self.base_sharding,
                        config.activation_checkpointing or base.family.hybrid, config.compile)
         self.models: dict[str, TrainableModel] = {}
 
@@ -299,8 +301,9 @@ class Trainer:
         """Datums (by index) split among ranks by tokens, then into micro-batches under the token budget.
 
         Packed micro-batches are filled first fit, longest datum first; padded ones are length-sorted,
-        which keeps padding small. Every rank gets the same number of micro-batches (padded with empty
-        ones), because each forward and backward is a collective under FSDP.
+        which keeps padding small. With the base sharded every rank gets the same number of micro-batches
+        (padded with empty ones), because each forward and backward is a collective under FSDP; a replicated
+        base has no collective before the gradients' sum, so a rank with less work stops sooner.
         """
         order = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids), reverse=True)
         per_rank: list[list[int]] = [[] for _ in range(self.group.world_size)]
@@ -324,14 +327,16 @@ class Trainer:
                 else:
                     batches.append([index])
             plans.append(batches)
+        if self.base_sharding == "replicate":
+            return plans
         most = max(len(batches) for batches in plans)
         return [batches + [[]] * (most - len(batches)) for batches in plans]
 
     def _load(self, batch: MicroBatch, losses) -> _LoadedMicroBatch:
         """A micro-batch's tensors on the device, in the trainer's layout; the datums' positions end to end."""
         if not batch:
-            # A rank with no datum left still joins the collectives of the others' forward and backward,
-            # with the first request's adapter and a datum whose loss is exactly zero (not an output).
+            # A rank with no datum left still joins the collectives of the others' forward and backward (a
+            # sharded base), with the first request's adapter and a datum whose loss is exactly zero (not an output).
             keep_pace = TrainingExample(input_ids=[0], loss_fn_inputs={"target_tokens": torch.zeros(1, dtype=torch.long),
                                                                        "weights": torch.zeros(1)})
             loaded = self._load([(0, 0, keep_pace)], [resolve_loss("cross_entropy", None)])

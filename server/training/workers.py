@@ -1,7 +1,8 @@
 """Training ranks other than 0: one process per extra local GPU, started by the server itself.
 
-Each loads the base model on its own device, shards it with the other ranks (FSDP2) and then runs
-rank 0's collective calls until the server stops, or ends when rank 0 dies (lifelines.py). On further
+Each loads the base model on its own device, shards it with the other ranks (FSDP2) or holds it whole
+(--base-sharding, as rank 0's server was given), and then runs rank 0's collective calls until the server
+stops, or ends when rank 0 dies (lifelines.py). On further
 nodes, torchrun starts the same ranks: `TORCH_ELASTIC_WORKER_IDENTICAL=1 torchrun --nnodes N --node-rank K
 --nproc-per-node G --master-addr HOST --master-port PORT -m server.training.workers --base-model ...
 [the server's model flags]`, with the server on node 0 started with the same rendezvous (see the README;
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def run_rank(config: ServerConfig, rank: int) -> None:
-    """One follower rank: join the group, shard the model, follow rank 0 until it stops."""
+    """One follower rank: join the group, shard or replicate the model, follow rank 0 until it stops."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
     trainer_config = config.trainer
     group = init_training_group(rank, trainer_config.world_size, config.model.device_type,

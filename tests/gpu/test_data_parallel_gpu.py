@@ -1,5 +1,6 @@
-"""On two GPUs in bf16 (run on the lent GPU machine: `pytest -m gpu tests/gpu`): two training ranks
-give the same losses and adapter as one, within bf16 rounding.
+"""On two GPUs in bf16 (run on the lent GPU machine: `pytest -m gpu tests/gpu`): two training ranks, the
+frozen base sharded with FSDP2 or replicated (--base-sharding), give the same losses and adapter as one,
+within bf16 rounding.
 
 Stated tolerance: datums land in different micro-batches (other padded shapes, other kernel tiling)
 at the two world sizes, so bf16 results differ by rounding: losses within 2 % relative, logprobs
@@ -15,11 +16,12 @@ from support.data_parallel import train_with_one_and_two_ranks
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def runs(models_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["shard", "replicate"])
+def runs(request, models_dir, tmp_path_factory):
     if torch.cuda.device_count() < 2:
         pytest.fail("needs two GPUs")
-    return train_with_one_and_two_ranks(models_dir, tmp_path_factory, "--device", "cuda", "--dtype", "bfloat16")
+    return train_with_one_and_two_ranks(models_dir, tmp_path_factory, "--device", "cuda", "--dtype", "bfloat16",
+                                        "--base-sharding", request.param)
 
 
 def test_two_gpus_give_the_same_losses_and_logprobs_as_one_within_bf16_rounding(runs):

@@ -1,7 +1,8 @@
-"""Data-parallel training (`--gpus 2`, here two CPU processes over gloo; and two "nodes" on this host, the
-server and a torchrun) gives the same losses, logprobs and adapter as one training process (unsharded), so
-sharding the frozen base with FSDP2 changes nothing. A rank that dies, of this node or another, stops the
-server: the step it ran fails with the cause, nothing stays pending in the journal."""
+"""Data-parallel training (`--gpus 2`, here two CPU processes over gloo, the frozen base sharded with FSDP2;
+and two "nodes" on this host, the server and a torchrun, where `--base-sharding auto` replicates the tiny
+base) gives the same losses, logprobs and adapter as one training process, so neither sharding the frozen
+base nor replicating it changes anything. A rank that dies, of this node or another, stops the server: the
+step it ran fails with the cause, nothing stays pending in the journal."""
 
 import numpy as np
 import pytest
@@ -25,8 +26,8 @@ def one_rank(models_dir, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks(one_rank, models_dir, tmp_path_factory):
-    """A server with two training ranks, kept for the test that kills one."""
-    server = start_ranks(models_dir, tmp_path_factory, 2)
+    """A server with two training ranks sharing the base with FSDP2, kept for the test that kills one."""
+    server = start_ranks(models_dir, tmp_path_factory, 2, "--base-sharding", "shard")
     yield server
     server.stop()
 
@@ -45,6 +46,11 @@ def two_nodes(one_rank, models_dir, tmp_path_factory):
     nodes.node.wait()
 
 
+@pytest.fixture(scope="module")
+def two_nodes_run(two_nodes) -> dict:
+    return train(two_nodes.server)
+
+
 def _check_same_training(one: dict, two: dict) -> None:
     np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
@@ -61,17 +67,31 @@ def test_two_ranks_give_the_same_losses_and_logprobs_as_one(runs):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_two_ranks_train_the_same_adapter_as_one(runs):
-    one, two = runs[1]["adapter"], runs[2]["adapter"]
+def _check_same_adapter(one: dict, two: dict) -> None:
     assert one.keys() == two.keys()
     for name in one:
         np.testing.assert_allclose(two[name].numpy(), one[name].numpy(), atol=1e-6, rtol=1e-4, err_msg=name)
-    assert max(float(t.abs().max()) for name, t in one.items() if "lora_B" in name) > 1e-3
 
 
-def test_two_nodes_joined_by_torchrun_train_as_one_rank_with_no_shared_checkpoint_directory(runs, two_nodes):
+def test_two_ranks_train_the_same_adapter_as_one(runs, two_ranks):
+    assert "base_sharding=shard" in two_ranks.log_path.read_text()
+    _check_same_adapter(runs[1]["adapter"], runs[2]["adapter"])
+    assert max(float(t.abs().max()) for name, t in runs[1]["adapter"].items() if "lora_B" in name) > 1e-3
+
+
+def test_two_nodes_joined_by_torchrun_train_as_one_rank_with_no_shared_checkpoint_directory(runs, two_nodes_run):
     """Node 1's data directory is its own: it loads checkpoints from the files rank 0 sends."""
-    _check_same_training(runs[1], train(two_nodes.server))
+    _check_same_training(runs[1], two_nodes_run)
+    _check_same_adapter(runs[1]["adapter"], two_nodes_run["adapter"])
+
+
+def test_a_replicated_base_trains_as_a_sharded_one_and_auto_replicates_a_base_that_fits(runs, two_nodes,
+                                                                                         two_nodes_run):
+    """The tiny base takes far less than 35 % of a rank's share of this host's memory: auto replicates it, on
+    both nodes (the last step's single datum leaves one rank with no micro-batch at all)."""
+    assert "base_sharding=replicate" in two_nodes.server.log_path.read_text()
+    _check_same_training(runs[2], two_nodes_run)
+    _check_same_adapter(runs[2]["adapter"], two_nodes_run["adapter"])
 
 
 def _kill_rank_1_mid_step(server: LiveServer, log: str) -> str:
@@ -86,7 +106,8 @@ def test_a_local_rank_that_dies_mid_step_stops_the_server_and_fails_the_step_wit
     check_stopped_for_lost_rank(two_ranks, 1, model_id)
 
 
-def test_a_node_whose_rank_dies_mid_step_stops_the_server_and_fails_the_step_with_the_cause(runs, two_nodes):
+def test_a_node_whose_rank_dies_mid_step_stops_the_server_and_fails_the_step_with_the_cause(two_nodes_run,
+                                                                                           two_nodes):
     model_id = _kill_rank_1_mid_step(two_nodes.server, two_nodes.node_log.read_text())
     check_stopped_for_lost_rank(two_nodes.server, 1, model_id)
     assert two_nodes.node.wait(timeout=120) != 0  # torchrun saw its worker die

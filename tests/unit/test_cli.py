@@ -52,6 +52,7 @@ CLI_OPTIONS = {
     "--max-tokens-per-microbatch", "--microbatch-tokens",
     "--microbatch-layout",
     "--packed-attention",
+    "--base-sharding",
     "--max-tokens-per-pass",
     "--max-runs-per-pass",
     "--compile",

@@ -23,14 +23,18 @@ from server.training.parallel import init_training_group
 def test_the_banner_names_address_model_engines_data_and_the_first_key(tmp_path):
     config = parse_config(["--base-model", "builtin:tiny-qwen2-vl", "--data-dir", str(tmp_path), "--port", "9123",
                            "--database-url", "postgresql+psycopg://tinker:secret@db/tinker"])
-    banner = start_banner(config, tmp_path / "models" / "m", "qwen2_vl", "tml-abc", "default")
+    banner = start_banner(config, tmp_path / "models" / "m", "qwen2_vl", "tml-abc", "default", "replicate")
     for shown in ("http://127.0.0.1:9123", "builtin:tiny-qwen2-vl", "qwen2_vl", "LoRA on cpu", "embedded",
                   str(tmp_path), "/dashboard", "/api/v1/healthz", "tml-abc",
                   "export TINKER_BASE_URL=http://127.0.0.1:9123 TINKER_API_KEY=tml-abc"):
         assert shown in banner
     assert "secret" not in banner  # the journal's URL without its password
-    again = start_banner(config, tmp_path, "qwen2_vl", None, "default")
+    again = start_banner(config, tmp_path, "qwen2_vl", None, "default", "replicate")
     assert "tml-" not in again and "keys create" in again
+    assert "base " not in again  # one rank: nothing to shard or replicate
+    ranks = parse_config(["--base-model", "m", "--data-dir", str(tmp_path), "--gpus", "2"])
+    assert "2 rank(s), base replicated" in start_banner(ranks, tmp_path, "qwen2_vl", None, "default", "replicate")
+    assert "2 rank(s), base sharded (FSDP2)" in start_banner(ranks, tmp_path, "qwen2_vl", None, "default", "shard")
 
 
 def test_a_wildcard_bind_is_announced_at_a_url_clients_can_use():
