@@ -24,7 +24,7 @@ from server.errors import InvalidRequest, NotFound
 from server.lora import checkpoint_io
 from server.lora.layers import (AdapterStack, LoraAdapter, LoraTarget, all_finite, apply_lora_wrappers,
                                 select_targets, use_adapter, use_adapter_rows)
-from server.models.loading import LoadedModel, load_base_model
+from server.models.loading import LoadedModel, load_base_model, resolve_model_dir
 from server.models.vision_features import VisionEncoder
 from server.rendering.training import TrainingExample
 from server.training.forward import TargetLogprobs
@@ -147,6 +147,13 @@ def _restore_optimizer(optimizer: torch.optim.AdamW, copy: list[tuple[torch.Tens
 def build_trainer(model: ModelConfig, config: TrainerConfig, feature_cache_bytes: int,
                   group: TrainingGroup) -> "Trainer":
     """Load the base model on this rank's device and shard or replicate it for training."""
+    if group.world_size > 1:
+        # The ranks find (or build) the base's files in turn: the first builds a built-in model, the others
+        # find it built (ranks that built it at once, under a file lock, still lost or broke its directory).
+        for turn in range(group.world_size):
+            if turn == group.rank:
+                resolve_model_dir(model)
+            dist.barrier(group=group.objects)
     # Over several ranks the decoder blocks reach the device once the ranks have chosen how to hold them:
     # one at a time, each as FSDP shards it, or whole.
     base = load_base_model(model, device=group.device, blocks_on_host=group.world_size > 1)

@@ -15,8 +15,7 @@ from support.vision_sdk import ImagePrompts
 
 @pytest.fixture(scope="module")
 def one_rank(models_dir, tmp_path_factory) -> dict:
-    """What one training rank trains; it builds the model the other servers load first (ranks that start
-    together must not both build it)."""
+    """What one training rank trains."""
     server = start_ranks(models_dir, tmp_path_factory, 1)
     try:
         return train(server)
@@ -25,9 +24,11 @@ def one_rank(models_dir, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(one_rank, models_dir, tmp_path_factory):
-    """A server with two training ranks sharing the base with FSDP2, kept for the test that kills one."""
-    server = start_ranks(models_dir, tmp_path_factory, 2, "--base-sharding", "shard")
+def two_ranks(one_rank, tmp_path_factory):
+    """A server with two training ranks sharing the base with FSDP2, kept for the test that kills one. Its model
+    directory starts empty: the ranks find the built-in missing together, one builds it and the other loads it."""
+    server = start_ranks(tmp_path_factory.mktemp("models-of-two-ranks"), tmp_path_factory, 2, "--base-sharding",
+                         "shard")
     yield server
     server.stop()
 

@@ -100,7 +100,7 @@ def start_two_nodes(data_dir: Path, models_dir: Path, *model_args: str,
                     environments: tuple[dict[str, str], dict[str, str]] = ({}, {}),
                     ranks_per_node: int = 1) -> TwoNodes:
     """Two "nodes" on this host with the README's commands; node 1 has a data directory of its own, sharing
-    only the built-in models (which must be built already: both nodes would build them at once).
+    only the built-in models (the ranks of both nodes find or build them in turn).
 
     Args:
         model_args: the model flags both nodes get (`--device cuda --dtype bfloat16`).
