@@ -228,8 +228,10 @@ def http_sender(url: str, api_key: str, sampling_session_id: str, inputs, params
     async def send(index: int) -> None:
         loop = asyncio.get_running_loop()
         if loop not in clients:  # made on the loop that uses it
-            clients[loop] = httpx.AsyncClient(base_url=url, headers=headers, timeout=60,
-                                              limits=httpx.Limits(max_connections=2 * concurrency))
+            # Idle connections dropped before the server's keep-alive of 5 s drops them (httpx's default is 5 s
+            # too: a request sent as the server closes its connection fails with ReadError).
+            clients[loop] = httpx.AsyncClient(base_url=url, headers=headers, timeout=60, limits=httpx.Limits(
+                max_connections=2 * concurrency, keepalive_expiry=2))
         client = clients[loop]
         response = await client.post("/api/v1/asample", content=bodies[index])
         response.raise_for_status()
