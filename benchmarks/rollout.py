@@ -36,6 +36,7 @@ import base64
 import dataclasses
 import io
 import json
+import os
 import statistics
 import sys
 import time
@@ -121,21 +122,31 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-async def measure(args, num_images: int, send_one, send_many, burst=None) -> dict:
+def main_thread_seconds(pid: int) -> float:
+    """CPU seconds the process's main thread has run (the server's event loop: its HTTP front); Linux only."""
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def measure(args, num_images: int, send_one, send_many, burst=None, server_pid: int | None = None) -> dict:
     """idle, burst and one-many-sample timings of one prompt shape, through `send_one(index)` and `send_many(n)`;
-    `burst(round)`, when given, runs a round's burst elsewhere and returns (seconds, latencies)."""
+    `burst(round)`, when given, runs a round's burst elsewhere and returns (seconds, latencies). With
+    `server_pid`, also the server's event loop's CPU per request over the timed bursts."""
     await send_many(4)  # untimed: the engine loads its model copy on its first request
     idle = Timed()
     for index in range(args.idle):
         await idle.run(lambda _, index=index: send_one(10_000_000 + index), 1)
-    bursts = []
+    bursts, front_seconds = [], 0.0
     for round_index in range(args.rounds + 1):
+        front_before = main_thread_seconds(server_pid) if server_pid is not None and round_index else 0.0
         if burst is not None:
             bursts.append(await asyncio.to_thread(burst, round_index))
-            continue
-        timed = Timed()
-        seconds = await timed.run(lambda index: send_one(round_index * args.requests + index), args.requests)
-        bursts.append((seconds, timed.latencies))
+        else:
+            timed = Timed()
+            seconds = await timed.run(lambda index: send_one(round_index * args.requests + index), args.requests)
+            bursts.append((seconds, timed.latencies))
+        if server_pid is not None and round_index:
+            front_seconds += main_thread_seconds(server_pid) - front_before
     many = []
     for _ in range(args.rounds + 1):
         start = time.perf_counter()
@@ -147,7 +158,8 @@ async def measure(args, num_images: int, send_one, send_many, burst=None) -> dic
     return {"images": num_images, "idle_p50_ms": 1000 * percentile(idle.latencies, 50),
             "burst_seconds": burst_seconds, "requests_per_second": args.requests / burst_seconds,
             "p50_ms": 1000 * percentile(latencies, 50), "p99_ms": 1000 * percentile(latencies, 99),
-            "many_seconds": many_seconds, "ratio": burst_seconds / many_seconds}
+            "many_seconds": many_seconds, "ratio": burst_seconds / many_seconds,
+            "front_cpu_ms_per_request": 1000 * front_seconds / (args.rounds * args.requests)}
 
 
 class Prompts:
@@ -216,8 +228,10 @@ def http_sender(url: str, api_key: str, sampling_session_id: str, inputs, params
     async def send(index: int) -> None:
         loop = asyncio.get_running_loop()
         if loop not in clients:  # made on the loop that uses it
-            clients[loop] = httpx.AsyncClient(base_url=url, headers=headers, timeout=60,
-                                              limits=httpx.Limits(max_connections=2 * concurrency))
+            # Idle connections dropped before the server's keep-alive of 5 s drops them (httpx's default is 5 s
+            # too: a request sent as the server closes its connection fails with ReadError).
+            clients[loop] = httpx.AsyncClient(base_url=url, headers=headers, timeout=60, limits=httpx.Limits(
+                max_connections=2 * concurrency, keepalive_expiry=2))
         client = clients[loop]
         response = await client.post("/api/v1/asample", content=bodies[index])
         response.raise_for_status()
@@ -299,7 +313,7 @@ def run_server(args, side: str) -> dict:
                 async def send_many(count: int, num_images=num_images):
                     await sampler.sample(prompt(0, num_images), num_samples=count, sampling_params=params)
 
-                results.append(asyncio.run(measure(args, num_images, send_one, send_many, burst)))
+                results.append(asyncio.run(measure(args, num_images, send_one, send_many, burst, server.process.pid)))
                 prompts.images.clear()
                 print(f"{side}: {results[-1]}", flush=True)
         service.close("success").result()
@@ -450,13 +464,14 @@ def print_walk(result: dict) -> None:
 
 def print_table(results: dict) -> None:
     print("\n| side | images | idle p50 ms | burst s | requests/s | p50 ms | p99 ms | one request of N samples s "
-          "| burst / one | peak memory GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| burst / one | front CPU ms per request | peak memory GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for side, result in results.items():
         for shape in result["shapes"]:
             print(f"| {side} | {shape['images']} | {shape['idle_p50_ms']:.1f} | {shape['burst_seconds']:.2f} | "
                   f"{shape['requests_per_second']:.0f} | {shape['p50_ms']:.0f} | {shape['p99_ms']:.0f} | "
-                  f"{shape['many_seconds']:.2f} | {shape['ratio']:.1f} | {result['peak_memory_gib']:.2f} |")
+                  f"{shape['many_seconds']:.2f} | {shape['ratio']:.1f} | {shape.get('front_cpu_ms_per_request', float('nan')):.2f} | "
+                  f"{result['peak_memory_gib']:.2f} |")
 
 
 def main() -> None:

@@ -85,9 +85,10 @@ def main() -> None:
     from server.app import create_app
 
     app = create_app(config)
-    from server.connections import GuardedHttpProtocol
+    from server.direct_routes import DirectRoutesProtocol
 
-    http = functools.partial(GuardedHttpProtocol, limits=config.limits, open_by_address=collections.Counter())
+    http = functools.partial(DirectRoutesProtocol, limits=config.limits, open_by_address=collections.Counter(),
+                             routes=app)
     server = AnnouncingServer(uvicorn.Config(app, log_level="warning", http=http,
                                              timeout_graceful_shutdown=OPEN_CONNECTIONS_GRACE_SECONDS),
                               config, started)

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from server.api import (checkpoints, dashboard, futures, models, openai_compat, operations, rest, sampling, sessions,
                         training, weights)
-from server.api.deps import Services, authenticate, journal_refusal
+from server.api.deps import HotCall, RequestCall, Services, authenticate, journal_refusal
 from server.banner import start_banner
 from server.checkpoints.lifecycle import Checkpoints, sweep_expired
 from server.config import ServerConfig
@@ -191,31 +191,33 @@ class HotRoutes:
     """ASGI front of the two requests every sample takes (`asample`, then `retrieve_future`), served here before
     FastAPI's middleware, routing and dependency resolution, which cost more than their own work (a sample
     request is thousands a second in RL; benchmarks/RESULTS.md). They authenticate themselves, count in the
-    metrics and refuse what they refuse exactly as the app does. Every other request goes to the app."""
+    metrics and refuse what they refuse exactly as the app does. Every other request goes to the app. Under
+    `python -m server` the HTTP protocol serves them itself through `answer` (server/direct_routes.py)."""
 
-    def __init__(self, app: FastAPI, metrics: ServerMetrics,
-                 refuse: Callable[[Request, Exception], Awaitable[JSONResponse]]):
-        self.app, self.metrics, self.refuse = app, metrics, refuse
+    def __init__(self, app: FastAPI, metrics: ServerMetrics, data_dir: Path):
+        self.app, self.metrics, self.data_dir = app, metrics, data_dir
         self.state = app.state
-        self.routes = {"/api/v1/asample": sampling.asample, "/api/v1/retrieve_future": futures.retrieve_future}
+        self.routes = {"/api/v1/asample": sampling.sample_one, "/api/v1/retrieve_future": futures.retrieve_one}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
             return await self.app(scope, receive, self._lifespan_send(send))
-        endpoint = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if endpoint is None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.routes:
             return await self.app(scope, receive, send)
         scope["app"] = self.app  # what request.app finds: the services
-        request = Request(scope, receive)
+        response = await self.answer(scope["path"], RequestCall(Request(scope, receive)))
+        await response(scope, receive, send)
+
+    async def answer(self, path: str, call: HotCall) -> Response:
+        """The response to a call of one of the routes, a refusal included, counted in the metrics."""
         try:
-            result = await endpoint(request)
+            result = await self.routes[path](self.state.services, call)
             response = result if isinstance(result, Response) else Response(result.model_dump_json(),
                                                                              media_type="application/json")
         except Exception as error:
-            response = await self.refuse(request, error)
-        await response(scope, receive, send)
-        self.metrics.count_http(scope["path"], "POST", response.status_code)
-
+            response = refusal_response(error, path, self.data_dir)
+        self.metrics.count_http(path, "POST", response.status_code)
+        return response
 
     def _lifespan_send(self, send):
         """A start-up refused for what the operator gave fails with its reason, not the traceback (--debug)."""
@@ -243,6 +245,19 @@ def refusal_of(error: Exception, path: str) -> TinkerServerError:
         return failure
     logger.error("event=request_failed route=%s", path, exc_info=error)
     return TinkerServerError(f"internal error ({type(error).__name__}); the server log has the details")
+
+
+def refusal_response(error: Exception, path: str, data_dir: Path) -> JSONResponse:
+    """The response that refuses a request for `error`, in the Tinker error body's shape (OpenAI's on its routes)."""
+    refusal = refusal_of(error, path)
+    message = without_server_paths(str(refusal), data_dir)
+    # The SDK retries 409s for minutes; a conflicting seq_id never succeeds, so say so.
+    headers = {"x-should-retry": "false"} if isinstance(refusal, Conflict) else None
+    body = {"detail": message, "error": message, "category": refusal.category}  # also a failed future's shape
+    if path.startswith(openai_compat.router.prefix):  # OpenAI's shape, which its clients read
+        body = {"error": {"message": message, "type": OPENAI_ERROR_TYPES.get(refusal.status_code, "server_error"),
+                          "param": None, "code": None}}
+    return JSONResponse(body, status_code=refusal.status_code, headers=headers)
 
 
 def create_app(config: ServerConfig,
@@ -323,17 +338,10 @@ def create_app(config: ServerConfig,
         """The error response, after giving a refused training request its seq_id (so its run goes on)."""
         refusal = refusal_of(error, request.url.path)
         await journal_refusal(request, refusal)
-        message = without_server_paths(str(refusal), config.data_dir)
-        # The SDK retries 409s for minutes; a conflicting seq_id never succeeds, so say so.
-        headers = {"x-should-retry": "false"} if isinstance(refusal, Conflict) else None
-        body = {"detail": message, "error": message, "category": refusal.category}  # also a failed future's shape
-        if request.url.path.startswith(openai_compat.router.prefix):  # OpenAI's shape, which its clients read
-            body = {"error": {"message": message, "type": OPENAI_ERROR_TYPES.get(refusal.status_code, "server_error"),
-                              "param": None, "code": None}}
-        return JSONResponse(body, status_code=refusal.status_code, headers=headers)
+        return refusal_response(refusal, request.url.path, config.data_dir)
 
     # Exception is the last resort (Starlette answers it in its outermost middleware); the others are
     # answered where they are raised.
     for kind in (TinkerServerError, RequestValidationError, ValidationError, OSError, SQLAlchemyError, Exception):
         app.add_exception_handler(kind, refuse)
-    return HotRoutes(app, metrics, refuse)
+    return HotRoutes(app, metrics, config.data_dir)

@@ -33,7 +33,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.limits, self.open_by_address = limits, open_by_address
         self.address: str | None = None
         """The client address this connection is counted under (None: not counted)."""
-        self.deadline: asyncio.TimerHandle | None = None
+        # One timer per connection, moved only when a bound must end sooner: arming a bound (every parse event)
+        # sets `deadline`, and the timer, when it fires early, waits again for the rest.
+        self.deadline: float | None = None
+        """The loop time at which the bound running now ends (None: none runs)."""
+        self.bound_seconds = 0.0
+        self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -51,6 +56,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.address is not None:
             self.open_by_address[self.address] -= 1
             if not self.open_by_address[self.address]:
@@ -75,13 +83,23 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_message_complete()
 
     def _arm(self, seconds: float) -> None:
-        self._disarm()
-        self.deadline = self.loop.call_later(seconds, self._expire, seconds)
+        self.deadline, self.bound_seconds = self.loop.time() + seconds, seconds
+        if self.timer is None or self.timer.when() > self.deadline:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = self.loop.call_at(self.deadline, self._check)
 
     def _disarm(self) -> None:
-        if self.deadline is not None:
-            self.deadline.cancel()
-            self.deadline = None
+        self.deadline = None
+
+    def _check(self) -> None:
+        self.timer = None
+        if self.deadline is None:
+            return
+        if self.loop.time() < self.deadline:  # re-armed since: wait for the rest
+            self.timer = self.loop.call_at(self.deadline, self._check)
+            return
+        self._expire(self.bound_seconds)
 
     def _expire(self, seconds: float) -> None:
         self.deadline = None

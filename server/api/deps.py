@@ -12,9 +12,9 @@ import json
 import logging
 import multiprocessing
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Protocol
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader
@@ -110,25 +110,27 @@ async def authenticate(request: Request, x_api_key: Annotated[str | None, Depend
 
 
 async def tenant_of(request: Request) -> Tenant:
-    """What `authenticate` does, for the routes of the sampling hot path, which call it themselves (resolving
-    FastAPI dependencies cost them more than their own work)."""
-    services = services_of(request)
+    """What `authenticate` does, kept on the request (for `journal_refusal`)."""
+    request.state.tenant = await tenant_from(services_of(request), request.headers)
+    return request.state.tenant
+
+
+async def tenant_from(services: Services, headers: Mapping[str, str]) -> Tenant:
+    """The tenant of a request's headers (lowercase names); the routes of the sampling hot path call it themselves
+    (resolving FastAPI dependencies cost them more than their own work)."""
     if services.config.auth == "none":
-        tenant = Tenant(BOOTSTRAP_TENANT, admin=True)
-    else:
-        key = request.headers.get("x-api-key") or _bearer_token(request.headers.get("authorization"))
-        if not key:
-            raise Unauthorized("missing X-API-Key header (an operator issues keys with "
-                               "`python -m server keys create --tenant NAME`)")
-        record = None
-        if len(key) <= MAX_API_KEY_LENGTH:
-            key_hash = hash_api_key(key)
-            record = services.keys.known(key_hash) or await asyncio.to_thread(services.keys.find, key_hash)
-        if record is None:
-            raise Unauthorized("unknown or revoked API key")
-        tenant = Tenant(record.tenant, record.admin)
-    request.state.tenant = tenant
-    return tenant
+        return Tenant(BOOTSTRAP_TENANT, admin=True)
+    key = headers.get("x-api-key") or _bearer_token(headers.get("authorization"))
+    if not key:
+        raise Unauthorized("missing X-API-Key header (an operator issues keys with "
+                           "`python -m server keys create --tenant NAME`)")
+    record = None
+    if len(key) <= MAX_API_KEY_LENGTH:
+        key_hash = hash_api_key(key)
+        record = services.keys.known(key_hash) or await asyncio.to_thread(services.keys.find, key_hash)
+    if record is None:
+        raise Unauthorized("unknown or revoked API key")
+    return Tenant(record.tenant, record.admin)
 
 
 def _bearer_token(authorization: str | None) -> str | None:
@@ -164,17 +166,47 @@ def payload_hash(body: bytes) -> str:
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The raw body, refusing to buffer more than `limit` bytes (kept on the request for `journal_refusal`)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes is over the limit of {limit}")
+    refuse_large_body(request.headers.get("content-length"), 0, limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+        refuse_large_body(None, size, limit)
         chunks.append(chunk)
     request.state.body = b"".join(chunks)
     return request.state.body
+
+
+def refuse_large_body(declared: str | None, received: int, limit: int) -> None:
+    """413 for a body over `limit` bytes, by the content-length it declares or by the bytes that arrived."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes is over the limit of {limit}")
+    if received > limit:
+        raise PayloadTooLarge(f"request body is over the limit of {limit} bytes")
+
+
+class HotCall(Protocol):
+    """A request of the sampling hot path as its routes read it: from Starlette's Request (`RequestCall`), or
+    straight from the HTTP protocol (server/direct_routes.py)."""
+
+    headers: Mapping[str, str]
+    """Looked up by lowercase name."""
+
+    async def body(self) -> bytes:
+        """The raw body; 413 when it is over max_request_bytes."""
+
+
+@dataclass(frozen=True)
+class RequestCall:
+    """A hot request that came through ASGI."""
+
+    request: Request
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self.request.headers
+
+    async def body(self) -> bytes:
+        return await read_body(self.request, services_of(self.request).config.limits.max_request_bytes)
 
 
 async def session_of(store: Store, session_id: str, owner: str) -> SessionRecord:

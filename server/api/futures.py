@@ -3,11 +3,11 @@
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from server.api.deps import read_body, services_of, tenant_of
+from server.api.deps import HotCall, RequestCall, Services, services_of, tenant_from
 from server.scheduler.sampling import is_sampling_request_id
 from server.wire.futures import FutureRetrieveRequest, RequestFailedResponse, TryAgainResponse
 
-# Every sample request is polled here: the route authenticates and reads its body itself (see tenant_of).
+# Every sample request is polled here: the route authenticates and reads its body itself (see tenant_from).
 hot_router = APIRouter(prefix="/api/v1")
 
 # The SDK re-polls at once on 408, with a 45 s read timeout: hold a poll well inside it.
@@ -18,10 +18,15 @@ LONG_POLL_SECONDS = 30.0
     "application/json": {"schema": FutureRetrieveRequest.model_json_schema()}}}})
 async def retrieve_future(request: Request) -> Response:
     """The result of one of the caller's requests; 408 + try_again while it is still running."""
-    owner = (await tenant_of(request)).name
-    services = services_of(request)
-    body = FutureRetrieveRequest.model_validate_json(await read_body(request, services.config.limits.max_request_bytes))
-    read_timeout = request.headers.get("x-stainless-read-timeout")
+    return await retrieve_one(services_of(request), RequestCall(request))
+
+
+async def retrieve_one(services: Services, call: HotCall) -> Response:
+    """What retrieve_future does, from whichever front served the call (server/direct_routes.py serves it
+    without ASGI)."""
+    owner = (await tenant_from(services, call.headers)).name
+    body = FutureRetrieveRequest.model_validate_json(await call.body())
+    read_timeout = call.headers.get("x-stainless-read-timeout")
     timeout = LONG_POLL_SECONDS
     if read_timeout is not None:
         try:

@@ -8,17 +8,18 @@ import numpy as np
 from fastapi import APIRouter, Request
 
 from server.api.deps import (
+    HotCall,
     OwnerDep,
+    RequestCall,
     Services,
     ServicesDep,
     check_base_model,
     check_sampled_tokens,
     payload_hash,
-    read_body,
     sampler_of,
     services_of,
     session_of,
-    tenant_of,
+    tenant_from,
 )
 from server.api.sampling_inputs import check_num_samples, pin_adapter, sampling_options
 from server.checkpoints.access import checkpoint_of
@@ -35,7 +36,7 @@ from server.wire.sampling import (CreateSamplingSessionRequest, CreateSamplingSe
                                   SampleRequest)
 
 router = APIRouter(prefix="/api/v1")
-# asample authenticates itself (see tenant_of): it is half of every sample request's HTTP calls.
+# asample authenticates itself (see tenant_from): it is half of every sample request's HTTP calls.
 hot_router = APIRouter(prefix="/api/v1")
 
 
@@ -88,9 +89,13 @@ def prompt_targets(services: Services, ids: TensorData, prompt: RenderedInput) -
     "application/json": {"schema": SampleRequest.model_json_schema()}}}})
 async def asample(request: Request) -> UntypedAPIFuture:
     """Sample completions (and prompt logprobs) for one prompt."""
-    owner = (await tenant_of(request)).name
-    services = services_of(request)
-    body = await read_body(request, services.config.limits.max_request_bytes)
+    return await sample_one(services_of(request), RequestCall(request))
+
+
+async def sample_one(services: Services, call: HotCall) -> UntypedAPIFuture:
+    """What asample does, from whichever front served the call (server/direct_routes.py serves it without ASGI)."""
+    owner = (await tenant_from(services, call.headers)).name
+    body = await call.body()
     sample = SampleRequest.model_validate_json(body)
     record = None
     if sample.sampling_session_id is not None:

@@ -18,7 +18,7 @@ LAYERS = [
     {"training", "sampling", "recorded_sequences"},
     {"scheduler", "checkpoints", "adapter_imports", "merged_export"},
     {"api"},
-    {"app"},
+    {"app", "direct_routes"},
     {"__main__"},
 ]
 LAYER_OF = {package: index for index, layer in enumerate(LAYERS) for package in layer}
