@@ -265,9 +265,13 @@ class _Batch:
             for layer in range(layers):
                 cache.update(self._past(plans, past, layer, "keys_HLD"), self._past(plans, past, layer, "values_HLD"),
                              layer)
+        # Rows without padding (one alone, always) need no mask: the model's causal one is implied, which spares
+        # building a 4D mask and lets SDPA take its causal kernels (and spares the check for padding that waits
+        # on the device).
+        attention_mask = None if bool(mask_MP.all()) else mask_MP.to(self.device)
         with torch.no_grad(), self._rows(adapter_M):
             hidden_MND = self.m.model.model(
-                input_ids=input_ids_MN.to(self.device), attention_mask=mask_MP.to(self.device),
+                input_ids=input_ids_MN.to(self.device), attention_mask=attention_mask,
                 position_ids=positions.to(self.device), past_key_values=cache, use_cache=True, **kwargs,
             ).last_hidden_state
             last_logits_MV = self.m.model.lm_head(hidden_MND[:, -1:]).float()[:, 0]
@@ -378,7 +382,11 @@ class _Batch:
         at = slice(rows.start, rows.stop)
         drawn = self.rows[at]
         uniform_R = torch.tensor([active.streams[sample].random() for active, sample in drawn], device=self.device)
-        tokens_R = sample_tokens(logits_RV, self.temperature_R[at], self.top_k_R[at], self.top_p_R[at], uniform_R)
+        options = [active.request.options for active, _ in drawn]
+        vocab = logits_RV.shape[-1]
+        tokens_R = sample_tokens(logits_RV, self.temperature_R[at], self.top_k_R[at], self.top_p_R[at], uniform_R,
+                                 widest_top_k=max((o.top_k for o in options if 0 < o.top_k < vocab), default=0),
+                                 any_top_p=any(o.top_p < 1 for o in options))
         self.token_R[at] = tokens_R
         chosen_R = logprobs_RV.gather(-1, tokens_R[:, None])[:, 0]
         alternatives: list[list[tuple[int, float]] | None] = [None] * len(drawn)
@@ -386,9 +394,10 @@ class _Batch:
         if any(widths):
             best = best_alternatives(logprobs_RV, max(widths))
             alternatives = [row[:k] if k else None for row, k in zip(best, widths)]
-        for (active, sample), token, logprob, row_best in zip(drawn, tokens_R.tolist(), chosen_R.tolist(),
-                                                              alternatives):
-            self._record(active, sample, token, logprob, row_best)
+        # One copy to the host per step: token ids and fp32 logprobs are exact in fp64.
+        tokens, logprobs = torch.stack([tokens_R.double(), chosen_R.double()]).tolist()
+        for (active, sample), token, logprob, row_best in zip(drawn, tokens, logprobs, alternatives):
+            self._record(active, sample, int(token), logprob, row_best)
 
     def _record(self, active: _Active, sample: int, token: int, logprob: float,
                 best: list[tuple[int, float]] | None) -> None:
