@@ -38,7 +38,8 @@ def draw(logprobs_CV: torch.Tensor, temperature: float, num_draws: int, generato
 
 
 def sample_tokens(logits_RV: torch.Tensor, temperature_R: torch.Tensor, top_k_R: torch.Tensor,
-                  top_p_R: torch.Tensor, uniform_R: torch.Tensor, *, widest_top_k: int, any_top_p: bool) -> torch.Tensor:
+                  top_p_R: torch.Tensor, uniform_R: torch.Tensor, *, widest_top_k: int,
+                  any_top_p: bool) -> torch.Tensor:
     """Draw one token per row from its filtered distribution, at its uniform number (temperature 0: the argmax).
 
     Every row of a decode step is drawn in one pass, whatever request it belongs to: the per-row settings
