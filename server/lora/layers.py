@@ -281,10 +281,8 @@ class AdapterStack:
 def use_adapter(slot: AdapterSlot, adapter: LoraAdapter | None) -> Iterator[None]:
     """Run the enclosed calls of the slot's model with `adapter` on every row (None: the base model)."""
     for layer in slot.layers:
-        adapted = adapter is not None and layer.name in adapter.lora_A
-        layer.lora_A = adapter.lora_A[layer.name] if adapted else None
-        layer.lora_B = adapter.lora_B[layer.name] if adapted else None
-        layer.scale = adapter.scale if adapted else 1.0
+        if adapter is not None and layer.name in adapter.lora_A:
+            layer.put_adapter(lora_A=adapter.lora_A[layer.name], lora_B=adapter.lora_B[layer.name], scale=adapter.scale)
     try:
         yield
     finally:
@@ -305,8 +303,8 @@ def use_adapter_rows(slot: AdapterSlot, stack: "AdapterStack | AdapterBuffers | 
     row_scales = stack.row_scales(row_adapter_B)
     for layer in slot.layers:
         if layer.name in stack.columns:
-            layer.grouped_A, layer.grouped_B = stack.lora_A[layer.name], stack.lora_B[layer.name]
-            layer.row_scale_BJ = row_scales[stack.columns[layer.name]]
+            layer.put_adapter(grouped_A=stack.lora_A[layer.name], grouped_B=stack.lora_B[layer.name],
+                              row_scale_BJ=row_scales[stack.columns[layer.name]])
     try:
         yield
     finally:

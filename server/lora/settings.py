@@ -10,16 +10,26 @@ import torch
 class AdapterSettings:
     def clear_adapter(self) -> None:
         """Nothing in place: the layer is its base."""
-        # One adapter for every row (use_adapter):
-        self.lora_A: torch.Tensor | None = None
-        self.lora_B: torch.Tensor | None = None
-        self.scale = 1.0
-        # One adapter per row (use_adapter_rows): the adapters' ranks side by side (A [J, in] and B [out, J],
-        # per expert for a MoE's experts), and each row's scale on each column (its adapter's scale on its
-        # adapter's columns, else 0).
-        self.grouped_A: torch.Tensor | None = None
-        self.grouped_B: torch.Tensor | None = None
-        self.row_scale_BJ: torch.Tensor | None = None
+        self.put_adapter(
+            # One adapter for every row (use_adapter):
+            lora_A=None, lora_B=None, scale=1.0,
+            # One adapter per row (use_adapter_rows): the adapters' ranks side by side (A [J, in] and B [out, J],
+            # per expert for a MoE's experts), and each row's scale on each column (its adapter's scale on its
+            # adapter's columns, else 0).
+            grouped_A=None, grouped_B=None, row_scale_BJ=None)
+
+    def put_adapter(self, **settings: torch.Tensor | float | None) -> None:
+        """Set some of the fields above."""
+        # Straight into the instance's dict: nn.Module.__setattr__ checks every name against the module's
+        # parameters, buffers and submodules, which every layer paid twice per forward of the sampler.
+        self.__dict__.update(settings)
+
+    lora_A: torch.Tensor | None
+    lora_B: torch.Tensor | None
+    scale: float
+    grouped_A: torch.Tensor | None
+    grouped_B: torch.Tensor | None
+    row_scale_BJ: torch.Tensor | None
 
     @property
     def adapted(self) -> bool:

@@ -17,14 +17,21 @@ def refused_ids_tensor(refused_token_ids, device: torch.device | str) -> torch.T
     return torch.tensor(sorted(refused_token_ids), dtype=torch.long, device=device)
 
 
-def mask_refused(logits_NV: torch.Tensor, refused_M: torch.Tensor) -> torch.Tensor:
-    """The logits with -inf at the refused ids (unchanged when there are none)."""
+def refused_mask(refused_M: torch.Tensor, vocabulary: int) -> torch.Tensor:
+    """bool [V]: True at the refused ids."""
+    return torch.zeros(vocabulary, dtype=torch.bool, device=refused_M.device).index_fill_(0, refused_M, True)
+
+
+def mask_refused(logits_NV: torch.Tensor, refused_M: torch.Tensor,
+                 refused_V: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits with -inf at the refused ids (unchanged when there are none); `refused_V`: their
+    `refused_mask`, when the caller keeps one."""
     if refused_M.numel() == 0:
         return logits_NV
     # An element-wise mask, not an index_fill: compiled, it fuses into whatever reads the logits next,
     # instead of writing a masked copy of them first.
-    refused_V = torch.zeros(logits_NV.shape[-1], dtype=torch.bool, device=logits_NV.device).index_fill_(
-        0, refused_M, True)
+    if refused_V is None:
+        refused_V = refused_mask(refused_M.to(logits_NV.device), logits_NV.shape[-1])
     return logits_NV.masked_fill(refused_V, float("-inf"))
 
 

@@ -38,7 +38,8 @@ def draw(logprobs_CV: torch.Tensor, temperature: float, num_draws: int, generato
 
 
 def sample_tokens(logits_RV: torch.Tensor, temperature_R: torch.Tensor, top_k_R: torch.Tensor,
-                  top_p_R: torch.Tensor, uniform_R: torch.Tensor) -> torch.Tensor:
+                  top_p_R: torch.Tensor, uniform_R: torch.Tensor, *, widest_top_k: int,
+                  any_top_p: bool) -> torch.Tensor:
     """Draw one token per row from its filtered distribution, at its uniform number (temperature 0: the argmax).
 
     Every row of a decode step is drawn in one pass, whatever request it belongs to: the per-row settings
@@ -49,9 +50,13 @@ def sample_tokens(logits_RV: torch.Tensor, temperature_R: torch.Tensor, top_k_R:
     Args:
         top_k_R: k of each row; 0 or -1 (or the vocabulary's size) keeps every token.
         uniform_R: each row's number in [0, 1), from its sample's own stream.
+        widest_top_k, any_top_p: what the caller knows of the rows' settings on the host (the largest k that
+            limits a row, 0 if none does; whether a row's top_p is below 1), so that no step waits on the device
+            to find out.
     """
     greedy_R = temperature_R == 0
-    probs_RV = filtered_probs(logits_RV, torch.where(greedy_R, 1.0, temperature_R), top_k_R, top_p_R)
+    probs_RV = filtered_probs(logits_RV, torch.where(greedy_R, 1.0, temperature_R), top_k_R, top_p_R,
+                              widest_top_k, any_top_p)
     # Inverse CDF: the first token whose cumulative mass passes u * total. A token of probability 0 is
     # never picked: the search point stays below the total and a flat step of the CDF is never the first
     # index that passes it.
@@ -64,16 +69,14 @@ def sample_tokens(logits_RV: torch.Tensor, temperature_R: torch.Tensor, top_k_R:
 
 
 def filtered_probs(logits_RV: torch.Tensor, temperature_R: torch.Tensor, top_k_R: torch.Tensor,
-                   top_p_R: torch.Tensor) -> torch.Tensor:
+                   top_p_R: torch.Tensor, widest_top_k: int, any_top_p: bool) -> torch.Tensor:
     """Apply each row's temperature, then its top-k, then its top-p, and return the sampling distributions."""
     scaled_RV = logits_RV / temperature_R[:, None]
-    vocab = scaled_RV.shape[-1]
-    limited_R = (top_k_R > 0) & (top_k_R < vocab)
-    if limited_R.any():
-        widest = int(top_k_R[limited_R].max())
-        kth_R1 = scaled_RV.topk(widest, dim=-1).values.gather(-1, (top_k_R.clamp(1, widest) - 1)[:, None])
+    if widest_top_k:
+        limited_R = (top_k_R > 0) & (top_k_R < scaled_RV.shape[-1])
+        kth_R1 = scaled_RV.topk(widest_top_k, dim=-1).values.gather(-1, (top_k_R.clamp(1, widest_top_k) - 1)[:, None])
         scaled_RV = scaled_RV.masked_fill(limited_R[:, None] & (scaled_RV < kth_R1), float("-inf"))
-    if (top_p_R < 1).any():
+    if any_top_p:
         sorted_RV, order_RV = scaled_RV.sort(dim=-1, descending=True)
         sorted_probs_RV = sorted_RV.softmax(dim=-1)
         # Drop a token once the better tokens already hold top_p of the mass; the best always stays.

@@ -20,7 +20,8 @@ from server.errors import EngineUnavailable, InvalidRequest
 from server.lora.adapter_buffers import AdapterBuffers
 from server.lora.layers import AdapterSlot, AdapterStack, LoraAdapter, use_adapter_rows
 from server.models.loading import LoadedVision
-from server.models.logprobs import mask_refused, refused_ids_tensor, renormalised_logprobs, zero_refused_targets
+from server.models.logprobs import (mask_refused, refused_ids_tensor, refused_mask, renormalised_logprobs,
+                                    zero_refused_targets)
 from server.models.vision_features import VisionEncoder
 from server.rendering.chunks import position_ids
 from server.sampling.batch_cache import DynamicBatchCache, new_cache, row_positions, select_rows
@@ -101,6 +102,8 @@ class _Batch:
         self.device = engine_model.device
         self.dtype = next(engine_model.model.parameters()).dtype
         self.refused_M = refused_ids_tensor(engine_model.refused_token_ids, self.device)
+        self.refused_V = refused_mask(self.refused_M, engine_model.model.lm_head.base.out_features)
+        """Kept for the decode steps' sampling (built once rather than every step)."""
         self.rows: list[tuple[_Active, int]] = []
         """(request, sample index) of each cache row."""
         self.buffers: AdapterBuffers | None = None
@@ -212,13 +215,15 @@ class _Batch:
                 plan.part.active.output.prompt_cache_hit_tokens = plan.cached
             if self.prefix_cache is not None and len(plan.view.block_keys) * self.prefix_cache.block_tokens > plan.matched:
                 self.prefix_cache.insert(plan.view.block_keys, *row_positions(cache, row, len(plan.view.sequence)))
-        expand = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor([part.count for part in parts]))
-        expand_R = expand.to(self.device)
-        select_rows(cache, expand_R)
-        self._merge(cache, mask_MP[expand], next_position_M[expand_R],
-                    [(part.active, part.first + index) for part in parts for index in range(part.count)])
-        first = len(self.rows) - len(expand_R)
-        self._sample(last_logits_MV[expand_R], range(first, len(self.rows)))
+        rows = [(part.active, part.first + index) for part in parts for index in range(part.count)]
+        if len(rows) > len(parts):  # a part of several samples: its prefilled row is repeated for each
+            expand = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor([part.count for part in parts]))
+            expand_R = expand.to(self.device)
+            select_rows(cache, expand_R)
+            mask_MP, next_position_M = mask_MP[expand], next_position_M[expand_R]
+            last_logits_MV = last_logits_MV[expand_R]
+        self._merge(cache, mask_MP, next_position_M, rows)
+        self._sample(last_logits_MV, range(len(self.rows) - len(rows), len(self.rows)))
         self._drop_finished()
 
     def _prefill_forward(self, plans: list[_Prefill]):
@@ -265,9 +270,13 @@ class _Batch:
             for layer in range(layers):
                 cache.update(self._past(plans, past, layer, "keys_HLD"), self._past(plans, past, layer, "values_HLD"),
                              layer)
+        # Rows without padding (one alone, always) need no mask: the model's causal one is implied, which spares
+        # building a 4D mask and lets SDPA take its causal kernels (and spares the check for padding that waits
+        # on the device).
+        attention_mask = None if bool(mask_MP.all()) else mask_MP.to(self.device)
         with torch.no_grad(), self._rows(adapter_M):
             hidden_MND = self.m.model.model(
-                input_ids=input_ids_MN.to(self.device), attention_mask=mask_MP.to(self.device),
+                input_ids=input_ids_MN.to(self.device), attention_mask=attention_mask,
                 position_ids=positions.to(self.device), past_key_values=cache, use_cache=True, **kwargs,
             ).last_hidden_state
             last_logits_MV = self.m.model.lm_head(hidden_MND[:, -1:]).float()[:, 0]
@@ -373,12 +382,16 @@ class _Batch:
     def _sample(self, logits_RV: torch.Tensor, rows: range) -> None:
         """Draw the next token of the given rows (logits_RV holds theirs, in order) and record it: every row
         in one pass, whatever its request."""
-        logits_RV = mask_refused(logits_RV, self.refused_M)
+        logits_RV = mask_refused(logits_RV, self.refused_M, self.refused_V)
         logprobs_RV = logits_RV.log_softmax(dim=-1)
-        at = slice(rows.start, rows.stop)
+        at = slice(rows.start, rows.stop) if len(rows) < len(self.rows) else slice(None)  # no slicing ops for all
         drawn = self.rows[at]
         uniform_R = torch.tensor([active.streams[sample].random() for active, sample in drawn], device=self.device)
-        tokens_R = sample_tokens(logits_RV, self.temperature_R[at], self.top_k_R[at], self.top_p_R[at], uniform_R)
+        options = [active.request.options for active, _ in drawn]
+        vocab = logits_RV.shape[-1]
+        tokens_R = sample_tokens(logits_RV, self.temperature_R[at], self.top_k_R[at], self.top_p_R[at], uniform_R,
+                                 widest_top_k=max((o.top_k for o in options if 0 < o.top_k < vocab), default=0),
+                                 any_top_p=any(o.top_p < 1 for o in options))
         self.token_R[at] = tokens_R
         chosen_R = logprobs_RV.gather(-1, tokens_R[:, None])[:, 0]
         alternatives: list[list[tuple[int, float]] | None] = [None] * len(drawn)
@@ -386,9 +399,10 @@ class _Batch:
         if any(widths):
             best = best_alternatives(logprobs_RV, max(widths))
             alternatives = [row[:k] if k else None for row, k in zip(best, widths)]
-        for (active, sample), token, logprob, row_best in zip(drawn, tokens_R.tolist(), chosen_R.tolist(),
-                                                              alternatives):
-            self._record(active, sample, token, logprob, row_best)
+        # One copy to the host per step: token ids and fp32 logprobs are exact in fp64.
+        tokens, logprobs = torch.stack([tokens_R.double(), chosen_R.double()]).tolist()
+        for (active, sample), token, logprob, row_best in zip(drawn, tokens, logprobs, alternatives):
+            self._record(active, sample, int(token), logprob, row_best)
 
     def _record(self, active: _Active, sample: int, token: int, logprob: float,
                 best: list[tuple[int, float]] | None) -> None:

@@ -173,11 +173,12 @@ class StaticBatchCache:
         self.mask_RL[:rows, self.width] = True
         self.column_1.fill_(self.width)
         self.token_R1[:used, 0] = token_R
-        self.token_R1[used:rows] = 0
         self.position_R[:used] = position_R
-        self.position_R[used:rows] = 0
         self.adapter_R[:used] = adapter_R
-        self.adapter_R[used:rows] = -1
+        if used < rows:  # each write is a launch on a GPU, even of nothing
+            self.token_R1[used:rows] = 0
+            self.position_R[used:rows] = 0
+            self.adapter_R[used:rows] = -1
         return rows, columns
 
     def finish_step(self) -> None:

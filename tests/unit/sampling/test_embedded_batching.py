@@ -17,6 +17,8 @@ from server.errors import EngineUnavailable
 from server.lora.layers import LoraAdapter, LoraLinear, apply_lora_wrappers, use_adapter
 from server.rendering.chunks import RenderedInput, render_model_input
 from server.sampling.embedded import EmbeddedEngine
+from server.sampling.embedded_batch import EngineModel, _Batch
+from server.sampling.embedded_requests import _Active, _Part, _Waiting
 from server.sampling.types import AdapterRef, LogprobOptions, SamplingOptions, SamplingRequest
 from server.wire.model_input import EncodedTextChunk, ImageChunk, ModelInput
 
@@ -42,13 +44,16 @@ def engine_for(models_dir, row_ranks: list | None = None, **kwargs) -> tuple[Emb
 
     def log(engine_model, call):
         mask = call["attention_mask"]
-        if mask.dim() == 4:  # a decode step over a bucket of the static cache: the rows and columns in use
+        if mask is None:  # a prefill without padding: its rows, and its cached and new positions
+            rows, run = call["input_ids"].shape
+            forwards.append((rows, call["past_key_values"].get_seq_length() + run))
+        elif mask.dim() == 4:  # a decode step over a bucket of the static cache: the rows and columns in use
             cache = engine.batch.cache
             forwards.append((cache.rows, cache.used_width + 1))
         else:
             forwards.append(tuple(mask.shape))
         if row_ranks is not None:
-            row_ranks.append(adapter_rank_per_row(engine_model.slot.layers[0], mask.shape[0]))
+            row_ranks.append(adapter_rank_per_row(engine_model.slot.layers[0], call["input_ids"].shape[0]))
 
     engine = logged_engine(BASE_MODEL, models_dir, log, **kwargs)
     return engine, forwards
@@ -133,6 +138,22 @@ def hybrid(models_dir):
 
 def test_concurrent_requests_of_several_adapters_each_get_their_own_samples_and_logprobs(engine, reference):
     check_concurrent_requests_of_several_adapters(engine, reference)
+
+
+def test_a_prompt_prefilled_alone_without_a_mask_gets_the_logits_it_gets_left_padded_beside_a_longer_one(reference):
+    base, _, slot = reference
+    batch = _Batch(EngineModel(base.model, slot, base.tokenizer, base.vision), max_batch_tokens=4096)
+
+    def prefill(*rendered: RenderedInput):
+        parts = [_Part(_Active(_Waiting(SamplingRequest(prompt=prompt, options=SamplingOptions(max_tokens=1)), None),
+                               batch.device), 0, 1) for prompt in rendered]
+        return batch._prefill_forward([batch._plan(part) for part in parts])
+
+    short, long = prompts(base)[1:3]
+    _, alone_MP, _, alone_MV = prefill(short)
+    _, padded_MP, _, padded_MV = prefill(short, long)
+    assert bool(alone_MP.all()) and not bool(padded_MP[0].all())  # no mask at all, then a mask over padding
+    torch.testing.assert_close(alone_MV[0], padded_MV[0], atol=1e-5, rtol=0)
 
 
 def test_on_a_hybrid_model_rows_that_join_and_leave_keep_their_own_recurrent_state(hybrid):
@@ -280,7 +301,7 @@ def test_a_newcomer_starts_at_once_beside_long_rows_that_fill_the_batch(models_d
     short_sent = threading.Event()
 
     def log(engine_model, call):  # the third forward (the long rows decoding) waits for the short request
-        ranks.append(adapter_rank_per_row(engine_model.slot.layers[0], call["attention_mask"].shape[0]))
+        ranks.append(adapter_rank_per_row(engine_model.slot.layers[0], call["input_ids"].shape[0]))
         if len(ranks) == 3:
             assert short_sent.wait(timeout=120)
 
