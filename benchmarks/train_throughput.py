@@ -63,7 +63,7 @@ from server.models.image_processor import ImageProcessorSpec  # noqa: E402
 from server.models.tiny import build_tiny_model  # noqa: E402
 from server.rendering.chunks import RenderContext  # noqa: E402
 from server.rendering.images import ImagePreparer  # noqa: E402
-from server.rendering.training import render_training_datum  # noqa: E402
+from server.rendering.training import render_training_data  # noqa: E402
 from server.training.parallel import free_port, init_training_group  # noqa: E402
 from server.training.trainer import build_trainer  # noqa: E402
 from server.training.workers import start_local_ranks  # noqa: E402
@@ -360,8 +360,7 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
 
             def step(step_index: int):
                 with record_function("render"):  # named in --profile's trace
-                    examples = [render_training_datum(datum, index, context, ("weights",))
-                                for index, datum in enumerate(steps[step_index])]
+                    examples = render_training_data(steps[step_index], context, ("weights",))
                 with record_function("forward_backward"):
                     trainer.forward_backward(model_id, examples, "cross_entropy", None, forward_only=False)
                 with record_function("optim_step"):

@@ -9,7 +9,7 @@ from server.api.deps import (OwnerDep, ServicesDep, TrainingSubmission, check_lo
 from server.errors import InvalidRequest
 from server.recorded_sequences import recorded_sequences_of
 from server.rendering.provenance import attach_recorded_samples, named_sequence_ids
-from server.rendering.training import render_training_datum
+from server.rendering.training import render_training_data
 from server.runs import touch_run
 from server.store.run_metrics import FORWARD_BACKWARD, OPTIM_STEP
 from server.training.curves import curve_metrics
@@ -52,8 +52,7 @@ async def forward_backward(request: Request, services: ServicesDep, owner: Owner
             raise InvalidRequest("forward_backward needs at least one datum")
         spec, config = resolve_loss(fwdbwd.loss_fn, fwdbwd.loss_fn_config)
         check_loss_config(config)
-        examples = [render_training_datum(datum, index, services.render_context, spec.inputs, spec.optional_inputs)
-                    for index, datum in enumerate(fwdbwd.data)]
+        examples = render_training_data(fwdbwd.data, services.render_context, spec.inputs, spec.optional_inputs)
         if spec.needs_provenance:
             recorded = recorded_sequences_of(services.store, named_sequence_ids(fwdbwd.data), owner, run.session_id)
             vision = services.render_context.vision

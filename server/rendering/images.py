@@ -13,6 +13,7 @@ import hashlib
 import io
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,24 @@ class ImagePreparer:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, PreparedImage] = OrderedDict()
         self._cached_bytes = 0
+        self._workers: ThreadPoolExecutor | None = None
+
+    def prepare_all(self, images: list[tuple[bytes, str]]) -> None:
+        """Prepare these images side by side, so that a request of many new images waits about as long as its
+        slowest one rather than their sum (PIL's decoders and torch's resize release the interpreter lock); its
+        rendering then finds them cached. An image that cannot be prepared is left for that rendering to
+        refuse, in the request's order."""
+        distinct = list({data: where for data, where in images}.items())  # a repeated image once
+        if len(distinct) < 2:
+            return
+        if self._workers is None:  # as many threads as torch's (a training rank's share of the host's cores)
+            self._workers = ThreadPoolExecutor(max_workers=max(1, min(8, torch.get_num_threads())),
+                                               thread_name_prefix="image-prepare")
+        for future in [self._workers.submit(self.prepare, data, where) for data, where in distinct]:
+            try:
+                future.result()
+            except InvalidRequest:
+                pass
 
     def prepare(self, data: bytes, where: str) -> PreparedImage:
         """The prepared image of these encoded bytes (a 400 naming `where` if they are not a valid image)."""

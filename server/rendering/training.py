@@ -14,6 +14,7 @@ import torch
 from server.errors import InvalidRequest
 from server.models.image_processor import PreparedImage
 from server.rendering.chunks import RenderContext, position_ids, render_model_input
+from server.wire.model_input import ImageChunk
 from server.wire.training import Datum
 
 
@@ -70,3 +71,16 @@ def render_training_datum(datum: Datum, index: int, context: RenderContext, requ
     positions = position_ids(rendered, context.vision) if rendered.images else None
     return TrainingExample(input_ids=input_ids, loss_fn_inputs=loss_fn_inputs, images=rendered.images,
                            position_ids=positions)
+
+
+def render_training_data(data: list[Datum], context: RenderContext, required_inputs: tuple[str, ...],
+                         optional_inputs: tuple[str, ...] = ()) -> list[TrainingExample]:
+    """Every datum of a request, in order, their images prepared side by side first (an RL batch brings tens
+    of new ones, which would otherwise be decoded one after another before each step)."""
+    if context.images is not None:
+        context.images.prepare_all([(chunk.data, f"datum {index} chunk {position}")
+                                    for index, datum in enumerate(data)
+                                    for position, chunk in enumerate(datum.model_input.chunks)
+                                    if isinstance(chunk, ImageChunk)])
+    return [render_training_datum(datum, index, context, required_inputs, optional_inputs)
+            for index, datum in enumerate(data)]

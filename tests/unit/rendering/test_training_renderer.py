@@ -6,7 +6,7 @@ import torch
 
 from server.errors import InvalidRequest, PayloadTooLarge
 from server.rendering.chunks import RenderContext, position_ids, render_model_input
-from server.rendering.training import render_training_datum
+from server.rendering.training import render_training_data, render_training_datum
 from server.wire.model_input import EncodedTextChunk, ImageAssetPointerChunk, ImageChunk, ModelInput
 from server.wire.training import Datum
 
@@ -109,6 +109,24 @@ def test_corrupt_images_are_refused_with_the_datum_and_chunk_named(qwen2_vl):
     datum = _image_datum(qwen2_vl, [1], b"\x89PNG\r\n\x1a\n garbage", [2])
     with pytest.raises(InvalidRequest, match="datum 1 chunk 1: image data could not be decoded"):
         _render(datum, context=context_for(qwen2_vl))
+
+
+def test_a_requests_images_prepared_side_by_side_render_as_one_by_one_and_its_first_bad_one_is_named(qwen2_vl):
+    images = [encode(noise_image(64, 64, seed=index)) for index in range(5)]
+    data = [_image_datum(qwen2_vl, [1], image, [2], target_tokens=torch.zeros(8, dtype=torch.long))
+            for image in images + images[:2]]  # a multi-turn batch repeats images
+    sequential = [render_training_datum(datum, index, context_for(qwen2_vl), ())
+                  for index, datum in enumerate(data)]
+    context = context_for(qwen2_vl)
+    together = render_training_data(data, context, ())
+    for one, other in zip(together, sequential):
+        assert one.input_ids == other.input_ids and torch.equal(one.position_ids, other.position_ids)
+        assert [torch.equal(a.pixels, b.pixels) for a, b in zip(one.images, other.images)] == [True]
+    assert together[5].images[0] is together[0].images[0]  # decoded once, found in the cache
+    corrupt = b"\x89PNG\r\n\x1a\n garbage"
+    bad = data[:2] + [_image_datum(qwen2_vl, [1], corrupt, [2]), _image_datum(qwen2_vl, [1], corrupt + b"!", [2])]
+    with pytest.raises(InvalidRequest, match="datum 2 chunk 1: image data could not be decoded"):
+        render_training_data(bad, context, ())
 
 
 def test_missing_weights_default_to_ones_and_dtypes_are_normalised():
