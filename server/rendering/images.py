@@ -101,9 +101,10 @@ class ImagePreparer:
         distinct = list({data: where for data, where in images}.items())  # a repeated image once
         if len(distinct) < 2:
             return
-        if self._workers is None:  # as many threads as torch's (a training rank's share of the host's cores)
-            self._workers = ThreadPoolExecutor(max_workers=max(1, min(8, torch.get_num_threads())),
-                                               thread_name_prefix="image-prepare")
+        with self._lock:  # requests prepared at once share one pool
+            if self._workers is None:  # as many threads as torch's (a training rank's share of the host's cores)
+                self._workers = ThreadPoolExecutor(max_workers=max(1, min(8, torch.get_num_threads())),
+                                                   thread_name_prefix="image-prepare")
         for future in [self._workers.submit(self.prepare, data, where) for data, where in distinct]:
             try:
                 future.result()
