@@ -36,11 +36,13 @@ class AnnouncingServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             from server.banner import ready_line, server_url
+            from server.heap import freeze_startup_objects
 
+            frozen = freeze_startup_objects()
             seconds = time.monotonic() - self.started_at
             print(ready_line(self.server_config, seconds), flush=True)
-            logging.getLogger("server").info("event=ready url=%s seconds=%.1f", server_url(self.server_config),
-                                             seconds)
+            logging.getLogger("server").info("event=ready url=%s seconds=%.1f frozen_objects=%d",
+                                             server_url(self.server_config), seconds, frozen)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -72,9 +72,18 @@ class EmbeddedEngine:
 
     @classmethod
     def on_demand(cls, model: ModelConfig, feature_cache_bytes: int, adapters: SamplerAdapters,
-                  sampler: SamplerConfig, after_step: Callable[[], None] | None = None) -> "EmbeddedEngine":
-        """An engine over its own copy of the base model: a server whose clients never use it never loads it."""
-        return cls(lambda: load_engine_model(model, feature_cache_bytes), adapters,
+                  sampler: SamplerConfig, after_step: Callable[[], None] | None = None,
+                  after_load: Callable[[], None] | None = None) -> "EmbeddedEngine":
+        """An engine over its own copy of the base model: a server whose clients never use it never loads it.
+        `after_load` runs on the engine thread once the model is loaded."""
+
+        def load() -> EngineModel:
+            loaded = load_engine_model(model, feature_cache_bytes)
+            if after_load is not None:
+                after_load()
+            return loaded
+
+        return cls(load, adapters,
                    max_batch_tokens=sampler.max_batch_tokens, prefix_cache_bytes=sampler.prefix_cache_bytes,
                    decode=DecodeSettings("graphs" if sampler.cuda_graphs else "static"), after_step=after_step)
 

@@ -16,6 +16,7 @@ import torch.multiprocessing as multiprocessing
 
 from server.config import ModelConfig, SamplerConfig
 from server.errors import EngineUnavailable
+from server.heap import freeze_startup_objects
 from server.lora.layers import LoraAdapter
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedEngine
@@ -238,8 +239,9 @@ def _serve(connection: Connection, model: ModelConfig, feature_cache_bytes: int,
                 pass
             outbox.clear()
 
+    # This process lives for its model: what it holds once the model is loaded is never garbage.
     engine = EmbeddedEngine.on_demand(model, feature_cache_bytes, SamplerAdapters(sampler, model.device), sampler,
-                                      after_step=send_answers)
+                                      after_step=send_answers, after_load=freeze_startup_objects)
     snapshots: dict[str, LoraAdapter] = {}
 
     def send_token(request_id: int, *token) -> None:  # on the engine thread: goes with its step's answers

@@ -16,6 +16,7 @@ import os
 import torch.distributed as dist
 
 from server.config import ServerConfig, parse_config, rank_from_environment
+from server.heap import freeze_startup_objects
 from server.training.lifelines import exit_when_leader_dies
 from server.training.parallel import init_training_group
 from server.training.trainer import build_trainer
@@ -32,6 +33,7 @@ def run_rank(config: ServerConfig, rank: int) -> None:
                                 trainer_config.training_devices, trainer_config.local_ranks)
     exit_when_leader_dies(group.lifelines)
     trainer = build_trainer(config.model, trainer_config, config.images.feature_cache_bytes, group)
+    freeze_startup_objects()
     logger.info("training rank %d of %d ready on %s (pid %d)", rank, group.world_size, group.device, os.getpid())
     trainer.follow_leader()
     group.lifelines.stop()  # rank 0 said stop: its exit to come is no death

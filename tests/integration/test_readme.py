@@ -130,3 +130,5 @@ def test_the_server_said_what_it_was_doing_before_it_said_ready(first_start_serv
     positions = [log.index(line) for line in order]
     assert positions == sorted(positions), log[:4000]
     assert "\r" not in log  # no progress bars in a log file
+    # What start-up made (libraries, the model, the services) was moved out of the garbage collector's reach.
+    assert int(re.search(r"event=ready .* frozen_objects=(\d+)", log).group(1)) > 10_000

@@ -6,6 +6,7 @@ one the child refuses off its engine thread is answered at once, and one that ca
 The tiny Qwen2-VL on the CPU."""
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -127,3 +128,21 @@ def test_a_process_that_dies_fails_what_it_held_and_the_next_request_starts_anot
     with pytest.raises(EngineUnavailable, match="process ended"):
         held.result(timeout=120)
     assert len(child.sample(request).sequences) == 2
+
+
+def test_after_load_runs_once_on_the_engine_thread_with_the_model_loaded_before_the_first_answer(base, models_dir):
+    # The engine's process freezes what it holds for good here (server/heap.py): once, after the model is there.
+    model = ModelConfig(base_model=BASE_MODEL, model_path=None, model_cache_dir=models_dir)
+    sampler = SamplerConfig()
+    calls = []
+    engine = EmbeddedEngine.on_demand(model, 1 << 26, SamplerAdapters(sampler, "cpu"), sampler,
+                                      after_load=lambda: calls.append((threading.current_thread().name, engine.batch)))
+    try:
+        assert calls == []  # nothing loads before the first request
+        request = requests(base, models_dir)[0]
+        first = engine.sample(request)
+        assert calls == [("embedded-sampler", None)]  # the batch is made after it
+        assert engine.sample(request).sequences[0].tokens == first.sequences[0].tokens
+    finally:
+        engine.close()
+    assert len(calls) == 1
