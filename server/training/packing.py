@@ -13,23 +13,18 @@ Shapes: B = rows, H = heads (K of them for keys and values under GQA), T = posit
 size, S = datums of a packed row.
 """
 
-import contextlib
 import inspect
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from server.models.attention import without_cudnn_attention
+
 SEGMENT_ATTENTION = "segment_sdpa"
 """The name this attention goes by in transformers' registries (the text config's attn implementation)."""
-
-# cuDNN's attention builds a plan per new sequence length (~0.1 s per layer the first time on an H100);
-# a packed row's datums bring new lengths all the time.
-_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
 
 # torch.nn.attention.varlen is new and still changing: the call below needs its keyword form with `scale` and
 # `window_size` (torch 2.11 has it); torch 2.12 added `enable_gqa`, which it then requires for fewer key/value
@@ -70,7 +65,7 @@ def segment_attention(module: torch.nn.Module, query_BHTD: torch.Tensor, key_BHT
         return _varlen_attention(query_BHTD, key_BHTD, value_BHTD, cu_seqlens, int(segment_lengths.max()),
                                  kwargs.get("scaling")), None
     lengths = segment_lengths.tolist()
-    with sdpa_kernel(_NO_CUDNN) if query_BHTD.is_cuda else contextlib.nullcontext():
+    with without_cudnn_attention(query_BHTD.device):
         pieces = [sdpa_attention_forward(module, query, key, value, None, **kwargs)[0]
                   for query, key, value in zip(query_BHTD.split(lengths, 2), key_BHTD.split(lengths, 2),
                                                value_BHTD.split(lengths, 2))]
