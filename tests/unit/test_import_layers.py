@@ -11,7 +11,7 @@ SERVER = Path(__file__).resolve().parents[2] / "server"
 
 # Lowest first. A top-level module (config.py, app.py) counts as a package of its own.
 LAYERS = [
-    {"errors", "config"},
+    {"errors", "config", "heap"},
     {"progress", "metrics", "wire", "store", "connections", "banner"},
     {"models", "keys", "runs"},
     {"rendering", "lora"},
