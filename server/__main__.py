@@ -5,6 +5,7 @@
 
 import collections
 import functools
+import gc
 import logging
 import os
 import socket
@@ -38,11 +39,11 @@ class AnnouncingServer(uvicorn.Server):
             from server.banner import ready_line, server_url
             from server.heap import freeze_startup_objects
 
-            frozen = freeze_startup_objects()
+            freeze_startup_objects()
             seconds = time.monotonic() - self.started_at
             print(ready_line(self.server_config, seconds), flush=True)
             logging.getLogger("server").info("event=ready url=%s seconds=%.1f frozen_objects=%d",
-                                             server_url(self.server_config), seconds, frozen)
+                                             server_url(self.server_config), seconds, gc.get_freeze_count())
 
 
 def bind(host: str, port: int) -> socket.socket:

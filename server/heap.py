@@ -11,9 +11,8 @@ that requests make.
 import gc
 
 
-def freeze_startup_objects() -> int:
+def freeze_startup_objects() -> None:
     """Collect what start-up left behind, then keep every object alive now out of later collections (reference
-    counting still frees them; only reference cycles among them would stay); returns how many are frozen."""
+    counting still frees them; only reference cycles among them would stay)."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
