@@ -2,13 +2,16 @@
 
 transformers keeps a MoE layer's routed experts as two fused tensors, gate_up_proj [E, 2I, H] and
 down_proj [E, H, I]. `LoraExperts` replaces the experts module's forward with the same computation plus,
-for each expert, the delta of its own LoRA factors on both projections, for one adapter or one per row.
+for each expert, the delta of its own LoRA factors on both projections, for one adapter or one per row:
+one grouped GEMM per projection and factor over every expert (with a loop over the 256 experts, the
+35B-A3B's training step took ten times as long; benchmarks/RESULTS.md).
 
-Shapes: E experts, N tokens (rows x positions, flattened), K experts per token, T tokens routed to one
-expert, H hidden, I expert intermediate, J stacked LoRA columns, B rows of the batch.
+Shapes: E experts, N tokens (rows x positions, flattened), K experts per token, A (token, expert) pairs
+(N x K, grouped by expert), T rows of a grouped product, H hidden, I expert intermediate, J stacked LoRA columns, B rows of the batch.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from server.lora.settings import AdapterSettings
@@ -95,35 +98,42 @@ class LoraExperts(nn.Module):
         # Per-row adapters: the flattened tokens are rows of equal length, one after another.
         row_scales = [f[2] for f in (gate_up, down) if f is not None and f[2] is not None]
         tokens_per_row = hidden_NH.shape[0] // (row_scales[0].shape[0] if row_scales else 1)
-        # Every (token, choice) pair grouped by expert: one slice of tokens per expert.
-        expert_A = top_k_index_NK.flatten()
-        order_A = torch.argsort(expert_A, stable=True)
+        # Every (token, choice) pair grouped by expert; offsets_E: where each expert's group ends. One
+        # grouped GEMM per projection covers every expert, with no wait on the device for the counts.
+        expert_A, order_A = torch.sort(top_k_index_NK.flatten(), stable=True)
         token_A, weight_A = order_A // k, top_k_weights_NK.flatten()[order_A]
-        counts = torch.bincount(expert_A, minlength=num_experts).tolist()
-        output_NH = torch.zeros_like(hidden_NH)
-        start = 0
-        for expert, count in enumerate(counts[:num_experts]):
-            if count == 0:
-                continue
-            token_T = token_A[start:start + count]
-            routed = slice(start, start + count)
-            start += count
-            x_TH = hidden_NH[token_T]
-            row_T = token_T // tokens_per_row
-            gate_up_TI = _with_delta(x_TH @ self.base.gate_up_proj[expert].T, x_TH, gate_up, expert, row_T)
-            gate_TI, up_TI = gate_up_TI.chunk(2, dim=-1)
-            h_TI = self.base.act_fn(gate_TI) * up_TI
-            y_TH = _with_delta(h_TI @ self.base.down_proj[expert].T, h_TI, down, expert, row_T)
-            output_NH.index_add_(0, token_T, (y_TH * weight_A[routed, None]).to(output_NH.dtype))
-        return output_NH
+        experts_E = torch.arange(num_experts, device=expert_A.device, dtype=expert_A.dtype)
+        offsets_E = torch.searchsorted(expert_A, experts_E, right=True).to(torch.int32)
+        row_A = token_A // tokens_per_row
+        x_AH = hidden_NH[token_A]
+        gate_up_AI = _with_delta(grouped_linear(x_AH, self.base.gate_up_proj, offsets_E), x_AH, gate_up, offsets_E,
+                                 row_A)
+        gate_AI, up_AI = gate_up_AI.chunk(2, dim=-1)
+        h_AI = self.base.act_fn(gate_AI) * up_AI
+        y_AH = _with_delta(grouped_linear(h_AI, self.base.down_proj, offsets_E), h_AI, down, offsets_E, row_A)
+        return torch.zeros_like(hidden_NH).index_add_(0, token_A, (y_AH * weight_A[:, None]).to(hidden_NH.dtype))
 
 
-def _with_delta(y_TO: torch.Tensor, x_TI: torch.Tensor, factors, expert: int, row_T: torch.Tensor) -> torch.Tensor:
-    """y plus expert `expert`'s LoRA delta of input x (per-row adapters scale their own columns)."""
+def grouped_linear(x_TI: torch.Tensor, weight_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Each group of x's rows (group e ends at offsets_E[e]) times its own weight_EOI[e] transposed: [T, O]."""
+    # grouped_mm (and its backward) reads rows of whole 16-byte units: zeros pad a dimension that is not
+    # (tiny models, small ranks); real models' widths need none.
+    unit = 16 // x_TI.element_size()
+    out_features, in_features = weight_EOI.shape[1:]
+    pad_in, pad_out = -in_features % unit, -out_features % unit
+    if pad_in or pad_out:
+        x_TI, weight_EOI = F.pad(x_TI, (0, pad_in)), F.pad(weight_EOI, (0, pad_in, 0, pad_out))
+    y_TO = F.grouped_mm(x_TI.contiguous(), weight_EOI.contiguous().transpose(1, 2), offs=offsets_E)
+    return y_TO[:, :out_features] if pad_out else y_TO
+
+
+def _with_delta(y_AO: torch.Tensor, x_AI: torch.Tensor, factors, offsets_E: torch.Tensor,
+                row_A: torch.Tensor) -> torch.Tensor:
+    """y plus each pair's expert's LoRA delta of input x (per-row adapters scale their own columns)."""
     if factors is None:
-        return y_TO
+        return y_AO
     lora_A_EJI, lora_B_EOJ, row_scale_BJ = factors
-    mid_TJ = x_TI @ lora_A_EJI[expert].T
+    mid_AJ = grouped_linear(x_AI, lora_A_EJI, offsets_E)
     if row_scale_BJ is not None:
-        mid_TJ = mid_TJ * row_scale_BJ[row_T]
-    return y_TO + mid_TJ @ lora_B_EOJ[expert].T
+        mid_AJ = mid_AJ * row_scale_BJ[row_A]
+    return y_AO + grouped_linear(mid_AJ, lora_B_EOJ, offsets_E)
