@@ -14,12 +14,15 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from server.models import smollm2, tiny
 
 logger = logging.getLogger(__name__)
+_locks_held = threading.local()  # the cache directories whose build lock this thread holds
 
 PREFIX, HUB_NAMESPACE = "builtin:", "builtin"
 """`builtin:tiny-qwen3` and `builtin/tiny-qwen3` name the same model; the server reports the second, whose
@@ -95,6 +98,27 @@ def register_in_hub_cache(name: str, model_dir: Path) -> None:
                        "it offline", HUB_NAMESPACE, name, HF_HUB_CACHE, error)
 
 
+@contextmanager
+def _building_in(cache_dir: Path) -> Iterator[None]:
+    """One builder at a time in a cache (training ranks start together): the others wait, then find the model
+    built. The lock is the cache directory's own (no lock file left behind), released when closed, also if this
+    process dies. A thread that holds it already goes on: a builder may need another built-in of the same cache
+    (SmolLM2's VLM its language model), and a second lock of the directory would wait for the first forever."""
+    held = _locks_held.__dict__.setdefault("cache_dirs", set())
+    key = cache_dir.resolve()
+    if key in held:
+        yield
+        return
+    lock = os.open(cache_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        held.add(key)
+        yield
+    finally:
+        held.discard(key)
+        os.close(lock)
+
+
 def ensure_builtin_model(name: str, cache_dir: Path) -> Path:
     """Return cache_dir/<name>, building the built-in model there on first use."""
     if name not in BUILTIN_MODELS:
@@ -105,11 +129,7 @@ def ensure_builtin_model(name: str, cache_dir: Path) -> Path:
     if (target / "config.json").is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    # One builder at a time (training ranks start together): the others wait, then find it built. The lock is
-    # the cache directory's own (no lock file left behind), released when closed, also if this process dies.
-    lock = os.open(cache_dir, os.O_RDONLY)
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _building_in(cache_dir):
         if (target / "config.json").is_file():
             return target
         staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache_dir))
@@ -122,8 +142,6 @@ def ensure_builtin_model(name: str, cache_dir: Path) -> Path:
                 raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    finally:
-        os.close(lock)
     return target
 
 

@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from server.models import tiny
+from server.models import builtin, tiny
 from server.models.builtin import ensure_builtin_model
 from server.models.tiny import BUILTIN_FAMILIES, SPECIAL_TOKENS, build_tiny_model
 
@@ -65,6 +66,20 @@ def test_ensure_builtin_model_keeps_the_copy_of_a_concurrent_build(cache_dir, tm
     monkeypatch.setattr(tiny, "build_tiny_model", build_while_another_process_wins)
     assert ensure_builtin_model("tiny-qwen3", tmp_path) == tmp_path / "tiny-qwen3"
     assert [p.name for p in tmp_path.iterdir()] == ["tiny-qwen3"]
+
+
+def test_a_builtin_built_from_another_builtin_builds_both_into_a_fresh_cache(tmp_path, monkeypatch):
+    # SmolLM2's VLM is built from its language model, itself a built-in of the same cache: the build lock
+    # that the first holds must not make the second wait for it.
+    monkeypatch.setitem(builtin.BUILTIN_MODELS, "tiny-qwen2-vl-on-qwen3", lambda out, cache: shutil.copytree(
+        ensure_builtin_model("tiny-qwen3", cache), out, dirs_exist_ok=True))
+    built = []
+    worker = threading.Thread(target=lambda: built.append(ensure_builtin_model("tiny-qwen2-vl-on-qwen3", tmp_path)),
+                              daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert built == [tmp_path / "tiny-qwen2-vl-on-qwen3"], "the nested build is still waiting for its own lock"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-qwen2-vl-on-qwen3", "tiny-qwen3"]
 
 
 def test_an_interrupted_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
