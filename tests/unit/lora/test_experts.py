@@ -1,7 +1,8 @@
 """LoRA on a MoE layer's routed experts: equal to transformers' own experts with each expert's weights
-merged (W + scale * B_e @ A_e, the factors read in PEFT's fused-expert layout), saved adapters that PEFT
-loads (`target_parameters`) with the same logits, per-row adapters equal to each row alone, gradients
-in each adapter's own tensors, and train_mlp selecting the experts.
+merged (W + scale * B_e @ A_e, the factors read in PEFT's fused-expert layout), in the forward and in the
+factors' gradients; saved adapters that PEFT loads (`target_parameters`) with the same logits, per-row
+adapters equal to each row alone, gradients in each adapter's own tensors, and train_mlp selecting the
+experts.
 
 Shapes: E experts, r rank, B rows, T positions, V vocabulary.
 """
@@ -80,6 +81,36 @@ def test_an_expert_adapter_equals_its_merged_weights_in_transformers_own_experts
     assert (adapted - logits_BTV(reference, INPUT_IDS_BT)).abs().max() > 1e-2  # the experts did change
     with torch.no_grad():
         torch.testing.assert_close(logits_BTV(model, INPUT_IDS_BT), logits_BTV(reference, INPUT_IDS_BT))
+
+
+def test_an_expert_adapters_gradients_equal_those_through_its_merged_weights(moe):
+    # The reference differentiates transformers' own experts with W_e + scale * B_e @ A_e in place of W_e: the
+    # gradients that reach each expert's factors from the grouped products (their backward) must be the same.
+    model, reference, targets, slot, _ = moe
+    rank = 3
+    expert_targets = [t for t in targets if t.experts]
+    adapter = random_adapter(expert_targets, seed=5, rank=rank)
+    twin = LoraAdapter(rank, adapter.alpha, {name: t.detach().clone().requires_grad_() for name, t in
+                                             adapter.lora_A.items()},
+                       {name: t.detach().clone().requires_grad_() for name, t in adapter.lora_B.items()})
+    merged = copy.deepcopy(reference)
+    for target in expert_targets:
+        experts_name, is_gate_up = target.name.removesuffix(".base_layer"), target.name.endswith(".base_layer")
+        module, attribute = merged.get_submodule(experts_name), "gate_up_proj" if is_gate_up else "down_proj"
+        lora_A, lora_B = twin.lora_A[target.name], twin.lora_B[target.name]
+        deltas = [lora_B[:, expert::target.experts] @ lora_A[expert * rank:(expert + 1) * rank]
+                  for expert in range(target.experts)]
+        weight = getattr(module, attribute).detach() + twin.scale * torch.stack(deltas)
+        delattr(module, attribute)
+        setattr(module, attribute, weight)
+    with use_adapter(slot, adapter):
+        logits_BTV(model, INPUT_IDS_BT).square().mean().backward()
+    logits_BTV(merged, INPUT_IDS_BT).square().mean().backward()
+    for name in adapter.lora_A:
+        for ours, expected in ((adapter.lora_A[name].grad, twin.lora_A[name].grad),
+                               (adapter.lora_B[name].grad, twin.lora_B[name].grad)):
+            assert expected.abs().max() > 0
+            torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-4)
 
 
 def test_rows_of_different_adapters_each_get_their_own_experts_forward_and_backward(moe):
