@@ -29,6 +29,8 @@ _BEFORE = [{"role": "user", "content": "."}, {"role": "assistant", "content": ".
 _MARKER = "\x00end-of-content\x00"
 RECENT_IMAGES = 256
 """Image chunks kept for reuse (PNG encoding is deterministic, so an evicted image still gets the same bytes)."""
+RECENT_TEXTS = 1024
+"""Bridged texts whose tokens are kept for reuse."""
 
 
 class ChatRenderer:
@@ -57,6 +59,12 @@ class ChatRenderer:
                              f"({after_assistant.split(_MARKER)[-1]!r}); this renderer needs one to stop on")
         self.stop_tokens = [self.end_of_turn[0]]
         """What sampling stops on: the first end-of-turn token (Qwen's <|im_end|>)."""
+        # The stand-in turn, as the template writes it, and whether it ends with the end-of-turn tokens (else
+        # nothing can be appended after a sampled turn: every turn renders the whole conversation).
+        self._before = self._template(_BEFORE, generation_prompt=False)
+        self._before_tokens = self._encode(self._before)
+        self._appends = self._before.endswith(self.tokenizer.decode(self.end_of_turn))
+        self._bridges: OrderedDict[str, list[list[int]] | None] = OrderedDict()
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, **kwargs) -> "ChatRenderer":
@@ -72,14 +80,27 @@ class ChatRenderer:
         """What the template writes for `messages` after an assistant turn and its end-of-turn tokens,
         up to and including the next generation prompt; None if the template does not simply append
         them there (it rewrites what came before) or the tokens at the seam would change."""
-        before = self._template(_BEFORE, generation_prompt=False)
         after = self._template(_BEFORE + messages, generation_prompt=True)
-        if not after.startswith(before) or not before.endswith(self.tokenizer.decode(self.end_of_turn)):
+        if not self._appends or not after.startswith(self._before):
             return None
-        delta = after[len(before):]
-        if self._encode(after) != self._encode(before) + self._encode(delta):
-            return None
-        return self._chunks(delta, messages)
+        pieces = self._bridge_pieces(after[len(self._before):])
+        return None if pieces is None else self._with_images(pieces, messages)
+
+    def _bridge_pieces(self, delta: str) -> list[list[int]] | None:
+        """The tokens of `delta` (what follows the stand-in turn) between its image placeholders, or None where
+        tokenising it after that turn gives other tokens at the seam. Remembered for recent texts: a multi-turn
+        environment's observations repeat their wording, and every turn would tokenise it three times."""
+        with self._lock:
+            if delta in self._bridges:
+                self._bridges.move_to_end(delta)
+                return self._bridges[delta]
+        joined = self._encode(self._before + delta) == self._before_tokens + self._encode(delta)
+        pieces = self._pieces(delta) if joined else None
+        with self._lock:
+            self._bridges[delta] = pieces
+            if len(self._bridges) > RECENT_TEXTS:
+                self._bridges.popitem(last=False)
+        return pieces
 
     def decode(self, tokens: list[int]) -> str:
         """Text of sampled tokens, without the stop token they end with."""
@@ -112,16 +133,23 @@ class ChatRenderer:
 
     def _chunks(self, text: str, messages: list[Message]) -> list[Chunk]:
         """Text split at each image placeholder, the messages' images (in order) put in between."""
+        return self._with_images(self._pieces(text), messages)
+
+    def _pieces(self, text: str) -> list[list[int]]:
+        """The tokens of the text between image placeholders (one more piece than placeholders)."""
+        return [self._encode(piece) for piece in text.split(self.image_placeholder)]
+
+    def _with_images(self, pieces: list[list[int]], messages: list[Message]) -> list[Chunk]:
+        """The pieces' tokens with the messages' images (in order) in between."""
         images = [part["image"] for m in messages if isinstance(m["content"], list)
                   for part in m["content"] if _is_image(part)]
-        pieces = text.split(self.image_placeholder)
         if len(pieces) != len(images) + 1:
             raise ValueError(f"the chat template wrote {len(pieces) - 1} image placeholders "
                              f"({self.image_placeholder!r}) for {len(images)} images")
         chunks: list[Chunk] = []
-        for index, piece in enumerate(pieces):
-            if tokens := self._encode(piece):
-                chunks.append(types.EncodedTextChunk(tokens=tokens))
+        for index, tokens in enumerate(pieces):
+            if tokens:
+                chunks.append(types.EncodedTextChunk(tokens=list(tokens)))
             if index < len(images):
                 chunks.append(self.image_chunk(images[index]))
         return chunks

@@ -132,6 +132,28 @@ class Scripted:
         return self.replies.pop(0)
 
 
+def test_an_observation_whose_wording_came_before_is_not_tokenised_again(models_dir, monkeypatch):
+    renderer = renderer_for(models_dir, "tiny-qwen2-vl")
+    first = renderer.bridge([user("Closer.", RED)])
+    calls = []
+    original = renderer.tokenizer.encode
+    monkeypatch.setattr(renderer.tokenizer, "encode", lambda *a, **k: calls.append(a) or original(*a, **k))
+    again = renderer.bridge([user("Closer.", BLUE)])  # the same words, another picture
+    assert calls == []
+    assert flat(types.ModelInput(chunks=again)) == flat(types.ModelInput(chunks=first[:1] + [
+        renderer.image_chunk(BLUE)] + first[2:]))
+    renderer.bridge([user("Not closer.", RED)])
+    assert calls  # new wording is tokenised
+
+
+def test_the_remembered_wordings_are_bounded(models_dir, monkeypatch):
+    monkeypatch.setattr("client_compat.chat.RECENT_TEXTS", 3)
+    renderer = renderer_for(models_dir, "tiny-qwen2-vl")
+    for index in range(10):
+        assert renderer.bridge([user(f"Step {index}.")]) is not None
+    assert len(renderer._bridges) == 3
+
+
 def test_the_cookbooks_trajectory_to_data_builds_the_same_single_datum_from_the_env(models_dir):
     renderer = renderer_for(models_dir, "tiny-qwen2-vl")
     encode, im_end = renderer.tokenizer.encode, renderer.stop_tokens[0]
