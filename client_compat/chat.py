@@ -80,8 +80,10 @@ class ChatRenderer:
         """What the template writes for `messages` after an assistant turn and its end-of-turn tokens,
         up to and including the next generation prompt; None if the template does not simply append
         them there (it rewrites what came before) or the tokens at the seam would change."""
+        if not self._appends:
+            return None
         after = self._template(_BEFORE + messages, generation_prompt=True)
-        if not self._appends or not after.startswith(self._before):
+        if not after.startswith(self._before):
             return None
         pieces = self._bridge_pieces(after[len(self._before):])
         return None if pieces is None else self._with_images(pieces, messages)

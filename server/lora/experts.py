@@ -7,7 +7,8 @@ one grouped GEMM per projection and factor over every expert (with a loop over t
 35B-A3B's training step took ten times as long; benchmarks/RESULTS.md).
 
 Shapes: E experts, N tokens (rows x positions, flattened), K experts per token, A (token, expert) pairs
-(N x K, grouped by expert), T rows of a grouped product, H hidden, I expert intermediate, J stacked LoRA columns, B rows of the batch.
+(N x K, grouped by expert), T rows of a grouped product, H hidden, I expert intermediate, J stacked LoRA
+columns, B rows of the batch.
 """
 
 import torch
