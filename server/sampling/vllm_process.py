@@ -218,9 +218,9 @@ class VLLMProcess(VLLMEndpoint):
         """Start vLLM, then restart it whenever it exits, until close() or `max_restarts` crashes."""
         try:
             self._spawn()
-        except EngineUnavailable as error:
+        except Exception as error:  # whatever it is, wait_until_ready must hear of it now
             # A first start that fails is a configuration problem: retrying would only fail slower.
-            self._fail(str(error))
+            self._fail(str(error) if isinstance(error, EngineUnavailable) else f"cannot start vLLM: {error!r}")
             return
         while True:
             process = self._process
