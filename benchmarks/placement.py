@@ -14,6 +14,8 @@ adapter). Placements:
 - colocated-1: training and one vLLM on GPU 0 (vLLM with `--colocated-memory` of it);
 - colocated-2: training on GPUs 0 and 1 (two ranks, the base as --base-sharding auto holds it), a vLLM replica on each
   (the same share);
+- colocated-2-tp2: training on GPUs 0 and 1, one vLLM with tensor parallelism 2 on the same two (a model whose
+  weights do not fit the colocated share of one GPU);
 - split-2-2: training on GPUs 0 and 1, one vLLM with tensor parallelism 2 on GPUs 2 and 3 (a model that needs
   two GPUs, e.g. --shape qwen3-vl-30b-a3b);
 - colocated-4: training on GPUs 0-3, two vLLM replicas of tensor parallelism 2 on the same four;
@@ -54,6 +56,8 @@ def placement_flags(name: str, args) -> list[str]:
                   f"--vllm-extra-args=--gpu-memory-utilization {args.split_memory}"],
         "colocated-1": ["--training-devices", "0", "--vllm-devices", "0", *memory],
         "colocated-2": ["--training-devices", "0,1", "--vllm-devices", "0,1", "--vllm-replicas", "2", *memory],
+        "colocated-2-tp2": ["--training-devices", "0,1", "--vllm-devices", "0,1", "--vllm-tensor-parallel-size", "2",
+                            *memory],
         "split-2-2": ["--training-devices", "0,1", "--vllm-devices", "2,3", "--vllm-tensor-parallel-size", "2",
                       f"--vllm-extra-args=--gpu-memory-utilization {args.split_memory}"],
         "colocated-4": ["--training-devices", "0,1,2,3", "--vllm-devices", "0,1,2,3", "--vllm-replicas", "2",
@@ -130,6 +134,15 @@ def rl_step(args, training, sampler, prompts: list[list[int]], seed: int) -> tup
             "sampled_tokens": num_tokens}, next_sampler
 
 
+def vllm_memory_lines(data_dir: Path) -> dict[str, list[str]]:
+    """What each vLLM replica made of its memory share (its KV cache and how many sequences that holds):
+    a replica that sized its cache while a trainer beside it was growing decodes in waves."""
+    wanted = ("KV cache size", "Maximum concurrency", "Available KV cache memory", "Model loading took")
+    return {log.name: [line.strip()[-160:] for line in log.read_text(errors="replace").splitlines()
+                       if any(key in line for key in wanted)]
+            for log in sorted(data_dir.glob("vllm*.log"))}
+
+
 def run_placement(args, name: str, model_dir: Path) -> dict:
     import tinker
 
@@ -158,7 +171,7 @@ def run_placement(args, name: str, model_dir: Path) -> dict:
         timed = steps[1:]
         total = [step["sample"] + step["train"] + step["save"] for step in timed]
         memory = peaks.peaks if peaks is not None else {"cpu": rss_mib(process_tree(server.process.pid)) / 1024}
-        return {"step_seconds": statistics.median(total),
+        return {"step_seconds": statistics.median(total), "vllm_memory": vllm_memory_lines(data_dir),
                 "shares": {phase: sum(step[phase] for step in timed) / sum(total) for phase in ("sample", "train", "save")},
                 "sampled_tokens_per_s": sum(step["sampled_tokens"] for step in timed) / sum(s["sample"] for s in timed),
                 "peak_memory_gib": memory, "flags": flags}
@@ -181,6 +194,8 @@ def main() -> None:
         peaks = " ".join(f"{device}:{gib:.1f}" for device, gib in sorted(result["peak_memory_gib"].items()))
         print(f"{name:<13} {result['step_seconds']:>7.2f} {shares['sample']:>7.0%} {shares['train']:>7.0%} "
               f"{shares['save']:>7.0%} {result['sampled_tokens_per_s']:>8.0f}  {peaks}")
+        for log, lines in result["vllm_memory"].items():
+            print(f"  {log}: " + " | ".join(lines))
 
 
 if __name__ == "__main__":

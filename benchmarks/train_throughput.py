@@ -200,11 +200,12 @@ def write_model(shape: str, out: Path, device: str) -> Path:
     for weights in out.glob("model*.safetensors"):
         weights.unlink()
     tiny = json.loads((out / "config.json").read_text())
-    text = dict(tiny["text_config"], **spec["text"])
+    config_class = transformers.AutoConfig.for_model(tiny["model_type"]).__class__
+    aliases = config_class.sub_configs["text_config"].attribute_map  # e.g. num_experts: Qwen3-VL-MoE's num_local_experts
+    text = dict(tiny["text_config"], **{aliases.get(key, key): value for key, value in spec["text"].items()})
     if "layer_types" in text:  # the shape gives the repeating pattern
         text["layer_types"] = text["layer_types"] * (text["num_hidden_layers"] // len(text["layer_types"]))
     vision = dict(tiny["vision_config"], **spec["vision"])
-    config_class = transformers.AutoConfig.for_model(tiny["model_type"]).__class__
     config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=spec["tie_word_embeddings"],
                           **{k: tiny[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                                   "vision_end_token_id")})
