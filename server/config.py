@@ -469,7 +469,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                              "GPUs the server sees) (default: ranks 0..N-1 on GPUs 0..N-1)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each decoder block in backward (less memory, about a third more compute; "
-                             "always on for Qwen3.5 / Qwen3.6)")
+                             "always on for Qwen3.5 / Qwen3.6 and MoE families)")
     parser.add_argument("--max-tokens-per-microbatch", "--microbatch-tokens",
                         type=int, default=TrainerConfig.max_tokens_per_microbatch,
                         help="tokens per forward/backward pass on each training rank (padded ones too, padded)")

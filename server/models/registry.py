@@ -64,6 +64,15 @@ class ModelFamily:
     """Some decoder layers are linear attention: their cache is a recurrent state per sequence, which
     cannot be cut at an arbitrary prefix (the embedded engine's prefix cache stays off)."""
 
+    @property
+    def recomputes_blocks(self) -> bool:
+        """Training always recomputes each decoder block in backward (activation checkpointing). Linear
+        attention's PyTorch path keeps ~4x the activations (a Qwen3.5-4B micro-batch of 8,192 tokens ran out
+        of an H100's memory without; 16 GiB and no slower with), and routed experts keep every (token, expert)
+        pair's inputs and outputs: ~0.2 MiB a token a layer, 77 GiB for 48 layers x 8,192 tokens of
+        Qwen3-VL-30B-A3B, which ran out of an H200's memory beside its base (benchmarks/RESULTS.md)."""
+        return self.hybrid or bool(self.routed_experts)
+
 
 _VISION = dict(auto_class="AutoModelForImageTextToText", language_model_prefix="model.language_model.layers.",
                vision=QWEN_VL)

@@ -180,13 +180,10 @@ class Trainer:
         refused = base.vision.reserved_token_ids if base.vision is not None else frozenset()
         self.forward_model = TargetLogprobs(base.model, config.logprob_chunk_size, config.compile, refused)
         tower = base.family.vision.tower_module if base.family.vision is not None else None
-        # Hybrid models always recompute: transformers' PyTorch path for linear attention keeps ~4x the
-        # activations (a Qwen3.5-4B micro-batch of 8,192 tokens ran out of an H100's memory without; 16 GiB
-        # and no slower with).
         self.base_sharding = choose_base_sharding(config.base_sharding, base.model, group, config.local_ranks)
         prepare_blocks(self.forward_model, base.model.get_submodule(base.family.language_model_prefix.rstrip(".")),
                        base.model.get_submodule(tower) if tower else None, group, self.base_sharding,
-                       config.activation_checkpointing or base.family.hybrid, config.compile)
+                       config.activation_checkpointing or base.family.recomputes_blocks, config.compile)
         self.models: dict[str, TrainableModel] = {}
 
     def _lead(self, command: RankCommand) -> None:

@@ -20,6 +20,7 @@ import pytest
 import torch
 from peft import PeftModel
 from torch._dynamo.utils import counters
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from transformers import AutoModelForCausalLM
 
 from server.config import ModelConfig, TrainerConfig
@@ -833,3 +834,13 @@ def test_a_sampler_checkpoint_loads_in_peft_and_gives_the_trainer_logprobs(train
 
 
 # -- invalid input --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,recomputes", [("tiny-qwen3-vl-moe", True), ("tiny-qwen3", False)])
+def test_moe_families_recompute_their_decoder_blocks_without_being_asked(models_dir, name, recomputes):
+    # Routed experts keep every (token, expert) pair's activations: a Qwen3-VL-30B-A3B micro-batch ran out of an
+    # H200's memory without recomputation, so MoE families (and hybrid ones) always recompute.
+    base = load_base_model(ModelConfig(base_model=f"builtin:{name}", model_path=None, model_cache_dir=models_dir))
+    Trainer(base, TrainerConfig(), init_training_group(0, 1, "cpu", "127.0.0.1", free_port()))
+    layers = base.model.get_submodule(base.family.language_model_prefix.rstrip("."))
+    assert [isinstance(layer, CheckpointWrapper) for layer in layers] == [recomputes] * len(layers)
