@@ -12,6 +12,7 @@ K = targets per position.
 import dataclasses
 import logging
 import math
+import os
 import random
 from dataclasses import dataclass
 
@@ -158,7 +159,13 @@ def build_trainer(model: ModelConfig, config: TrainerConfig, feature_cache_bytes
     # one at a time, each as FSDP shards it, or whole.
     base = load_base_model(model, device=group.device, blocks_on_host=group.world_size > 1)
     vision = VisionEncoder(base.model, feature_cache_bytes) if base.vision is not None else None
-    return Trainer(base, config, group, vision)
+    trainer = Trainer(base, config, group, vision)
+    logger.info("training rank %d of %d ready on %s (pid %d)", group.rank, group.world_size, group.device, os.getpid())
+    if group.world_size > 1:
+        # Every rank holds its model before rank 0 goes on to start the sampler: a vLLM colocated with a rank
+        # sizes its KV cache from the memory it sees in use, which must not be a rank still loading.
+        dist.barrier(group=group.objects)
+    return trainer
 
 
 class Trainer:

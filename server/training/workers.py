@@ -11,7 +11,6 @@ the variable has torchrun number the ranks itself, as no torchrun runs on node 0
 
 import logging
 import multiprocessing
-import os
 
 import torch.distributed as dist
 
@@ -20,8 +19,6 @@ from server.heap import freeze_startup_objects
 from server.training.lifelines import exit_when_leader_dies
 from server.training.parallel import init_training_group
 from server.training.trainer import build_trainer
-
-logger = logging.getLogger(__name__)
 
 
 def run_rank(config: ServerConfig, rank: int) -> None:
@@ -34,7 +31,6 @@ def run_rank(config: ServerConfig, rank: int) -> None:
     exit_when_leader_dies(group.lifelines)
     trainer = build_trainer(config.model, trainer_config, config.images.feature_cache_bytes, group)
     freeze_startup_objects()
-    logger.info("training rank %d of %d ready on %s (pid %d)", rank, group.world_size, group.device, os.getpid())
     trainer.follow_leader()
     group.lifelines.stop()  # rank 0 said stop: its exit to come is no death
     dist.destroy_process_group()
