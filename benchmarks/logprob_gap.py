@@ -67,8 +67,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--lora-targets", default="attn,mlp,unembed",
-                        help="what the adapter trains, of attn, mlp (a MoE's routed experts), unembed: `mlp` alone on a "
-                             "MoE checks that the sampler applies the experts' factors")
+                        help="what the adapter trains, of attn, mlp (a MoE's routed experts), unembed: `mlp` "
+                             "alone on a MoE checks that the sampler applies the experts' factors")
     parser.add_argument("--train-steps", type=int, default=4)
     parser.add_argument("--train-batch", type=int, default=8, help="datums a step, half of them with pictures")
     parser.add_argument("--learning-rate", type=float, default=1e-3)

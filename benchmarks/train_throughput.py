@@ -201,7 +201,8 @@ def write_model(shape: str, out: Path, device: str) -> Path:
         weights.unlink()
     tiny = json.loads((out / "config.json").read_text())
     config_class = transformers.AutoConfig.for_model(tiny["model_type"]).__class__
-    aliases = config_class.sub_configs["text_config"].attribute_map  # e.g. num_experts: Qwen3-VL-MoE's num_local_experts
+    # The shape's names through the config's aliases (Qwen3-VL-MoE calls num_experts num_local_experts).
+    aliases = config_class.sub_configs["text_config"].attribute_map
     text = dict(tiny["text_config"], **{aliases.get(key, key): value for key, value in spec["text"].items()})
     if "layer_types" in text:  # the shape gives the repeating pattern
         text["layer_types"] = text["layer_types"] * (text["num_hidden_layers"] // len(text["layer_types"]))

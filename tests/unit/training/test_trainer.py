@@ -833,9 +833,6 @@ def test_a_sampler_checkpoint_loads_in_peft_and_gives_the_trainer_logprobs(train
     assert (torch.from_numpy(result.outputs[0]["logprobs"]) - base_logprobs).abs().max() > 1e-3
 
 
-# -- invalid input --------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("name,recomputes", [("tiny-qwen3-vl-moe", True), ("tiny-qwen3", False)])
 def test_moe_families_recompute_their_decoder_blocks_without_being_asked(models_dir, name, recomputes):
     # Routed experts keep every (token, expert) pair's activations: a Qwen3-VL-30B-A3B micro-batch ran out of an
@@ -844,3 +841,6 @@ def test_moe_families_recompute_their_decoder_blocks_without_being_asked(models_
     Trainer(base, TrainerConfig(), init_training_group(0, 1, "cpu", "127.0.0.1", free_port()))
     layers = base.model.get_submodule(base.family.language_model_prefix.rstrip("."))
     assert [isinstance(layer, CheckpointWrapper) for layer in layers] == [recomputes] * len(layers)
+
+
+# -- invalid input --------------------------------------------------------------------------------
