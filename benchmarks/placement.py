@@ -84,6 +84,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--server-args", default="--compile", help="more server flags")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/train-throughput"))
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--keep-logs", type=Path, default=None, help="copy each placement's logs under DIR/NAME/")
     return parser.parse_args()
 
 
@@ -109,9 +110,13 @@ def rl_step(args, training, sampler, prompts: list[list[int]], seed: int) -> tup
 
     params = types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=seed)
     started = time.perf_counter()
+
+    def sample(prompt: list[int]) -> tuple[object, float]:
+        result = sampler.sample(types.ModelInput.from_ints(prompt), args.samples, params).result()
+        return result, time.perf_counter() - started
+
     with ThreadPoolExecutor(len(prompts)) as pool:
-        results = list(pool.map(lambda p: sampler.sample(types.ModelInput.from_ints(p), args.samples, params).result(),
-                                prompts))
+        results, done_at = zip(*pool.map(sample, prompts))
     sampled = time.perf_counter()
     rng = np.random.default_rng(seed)
     data, num_tokens = [], 0
@@ -130,7 +135,10 @@ def rl_step(args, training, sampler, prompts: list[list[int]], seed: int) -> tup
     trained = time.perf_counter()
     next_sampler = training.save_weights_and_get_sampling_client(name=f"step-{seed}").result()
     saved = time.perf_counter()
+    # When the first and the last request came back: a spread means some requests waited (a slow replica, a
+    # queue), none means every request waited on the same thing.
     return {"sample": sampled - started, "train": trained - sampled, "save": saved - trained,
+            "first_sample_done": min(done_at), "last_sample_done": max(done_at),
             "sampled_tokens": num_tokens}, next_sampler
 
 
@@ -171,12 +179,17 @@ def run_placement(args, name: str, model_dir: Path) -> dict:
         timed = steps[1:]
         total = [step["sample"] + step["train"] + step["save"] for step in timed]
         memory = peaks.peaks if peaks is not None else {"cpu": rss_mib(process_tree(server.process.pid)) / 1024}
-        return {"step_seconds": statistics.median(total), "vllm_memory": vllm_memory_lines(data_dir),
+        return {"step_seconds": statistics.median(total), "vllm_memory": vllm_memory_lines(data_dir), "steps": steps,
                 "shares": {phase: sum(step[phase] for step in timed) / sum(total) for phase in ("sample", "train", "save")},
                 "sampled_tokens_per_s": sum(step["sampled_tokens"] for step in timed) / sum(s["sample"] for s in timed),
                 "peak_memory_gib": memory, "flags": flags}
     finally:
         server.stop(timeout=120)
+        if args.keep_logs is not None:  # the server's and each vLLM's log, for timelines
+            kept = args.keep_logs / name
+            kept.mkdir(parents=True, exist_ok=True)
+            for log in data_dir.glob("*.log"):
+                shutil.copy(log, kept / log.name)
 
 
 def main() -> None:
