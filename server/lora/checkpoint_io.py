@@ -70,11 +70,15 @@ def _directory_size(directory: Path) -> int:
 
 
 def save_peft_adapter(directory: Path, adapter: LoraAdapter, base_model: str,
-                      lora_config: LoraConfig | None = None, num_steps: int = 0) -> int:
-    """Write the adapter (and its config) in PEFT's layout; returns the directory's size in bytes."""
+                      lora_config: LoraConfig | None = None, num_steps: int = 0, dtype: torch.dtype | None = None) -> int:
+    """Write the adapter (and its config) in PEFT's layout, its tensors as `dtype` if given (else as trained);
+    returns the directory's size in bytes."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(adapter.peft_state_dict(), str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    weights = adapter.peft_state_dict()
+    if dtype is not None:
+        weights = {name: tensor.to(dtype) for name, tensor in weights.items()}
+    save_file(weights, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     experts = peft_target_parameters(list(adapter.lora_A))
     peft_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,

@@ -38,16 +38,20 @@ class SamplerAdapters:
     directory on demand and kept in a bounded LRU, so an evicted one is simply reloaded."""
 
     def __init__(self, config: SamplerConfig, device: torch.device | str, snapshot_dir: Path | None = None,
-                 on_forget: Callable[[str], None] | None = None):
+                 on_forget: Callable[[str], None] | None = None, snapshot_dtype: torch.dtype | None = None):
         """
         Args:
             snapshot_dir: where snapshots are written (one new directory each); None keeps them in memory only.
+            snapshot_dtype: the dtype snapshots are written in (None: as trained). vLLM casts an adapter to its
+                model's dtype as it loads it, so a bfloat16 vLLM gets the same weights from half the bytes: a
+                MoE's routed-experts adapter is gigabytes, written and read at every RL step.
             on_forget: called with a snapshot's sampling session id when it is dropped, so that an
                 engine that loaded it can let it go.
         """
         self.config = config
         self.device = device
         self.snapshot_dir = snapshot_dir
+        self.snapshot_dtype = snapshot_dtype
         self.on_forget = on_forget
         self._lock = threading.Lock()
         self._ephemeral: OrderedDict[str, Snapshot] = OrderedDict()
@@ -64,7 +68,7 @@ class SamplerAdapters:
         directory = None
         if self.snapshot_dir is not None:
             directory = self.snapshot_dir / sampling_session_id
-            save_peft_adapter(directory, adapter, base_model)
+            save_peft_adapter(directory, adapter, base_model, dtype=self.snapshot_dtype)
         with self._lock:
             self._ephemeral[sampling_session_id] = Snapshot(sampling_session_id, model_id, adapter, directory)
             if inflight:

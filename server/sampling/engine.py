@@ -61,7 +61,7 @@ def build_sampling_engine(sampler: SamplerConfig, model: ModelConfig, feature_ca
         server.wait_until_ready(vllm_config.startup_timeout_s)
     # vLLM loads adapters by path: snapshots get files of their own, released with the snapshot.
     adapters = SamplerAdapters(sampler, model.device, snapshot_dir=data_dir / "sampler_snapshots",
-                               on_forget=lambda name: engine.forget(name))
+                               on_forget=lambda name: engine.forget(name), snapshot_dtype=getattr(torch, model.dtype))
     engine = VLLMEngine(servers, fallback=EmbeddedEngine.on_demand(model, feature_cache_bytes, adapters, sampler))
     return engine, adapters
 

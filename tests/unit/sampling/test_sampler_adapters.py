@@ -3,6 +3,7 @@ inflight save; saved ones reload after eviction."""
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from server.config import SamplerConfig
 from server.errors import InvalidRequest, NotFound
@@ -38,6 +39,24 @@ def test_dropped_snapshots_leave_the_disk_and_the_engine(tmp_path):
     assert forgotten == ["s:sample:0"] and not first.exists()
     adapters.forget_run("s:train:0")
     assert forgotten == ["s:sample:0", "s:sample:1"] and list(tmp_path.iterdir()) == []
+
+
+def test_snapshots_are_written_in_the_served_dtype_and_kept_as_trained(tmp_path):
+    """A bfloat16 vLLM casts an adapter to bfloat16 as it loads it: the file holds what it would make of the
+    float32 weights, in half the bytes; the embedded engine keeps sampling the float32 adapter in memory."""
+    adapters = SamplerAdapters(SamplerConfig(), "cpu", snapshot_dir=tmp_path, snapshot_dtype=torch.bfloat16)
+    trained = _adapter(0)
+    adapters.add_ephemeral("s:sample:0", "s:train:0", trained, "base")
+    snapshot = adapters.ephemeral("s:sample:0")
+    written = load_file(snapshot.directory / "adapter_model.safetensors")
+    expected = trained.peft_state_dict()
+    assert written.keys() == expected.keys()
+    for name, tensor in written.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, expected[name].to(torch.bfloat16))
+    assert snapshot.adapter is trained and all(t.dtype == torch.float32 for t in expected.values())
+    # As trained without a served dtype (a float32 vLLM, or a saved checkpoint).
+    save_peft_adapter(tmp_path / "as-trained", trained, "base")
+    assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "as-trained" / "adapter_model.safetensors").values())
 
 
 def test_inflight_sessions_sample_the_runs_newest_inflight_save_and_a_pinned_version_stays(tmp_path):
