@@ -35,7 +35,8 @@ async def pin_adapter(services: Services, record: SamplingSessionRecord | None, 
     if record is not None and record.source_model_id is not None:
         # An inflight session gets its run's newest inflight weights, as they are now.
         snapshot = services.adapters.ephemeral(record.sampling_session_id)
-        return AdapterRef(name=snapshot.name, directory=snapshot.directory, weights=snapshot.adapter), None
+        return AdapterRef(name=snapshot.name, directory=snapshot.directory, weights=snapshot.adapter,
+                          checked_finite=True), None
     path = record.model_path if record is not None else model_path
     if path is None:
         return None, None

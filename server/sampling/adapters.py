@@ -24,9 +24,13 @@ class Snapshot:
     name: str
     """The sampling session id of the save that took it: one name per version of the weights."""
     model_id: str
-    adapter: LoraAdapter
+    adapter: LoraAdapter | None
+    """The weights in memory, when snapshots are not written (the embedded engine samples them as they are)."""
     directory: Path | None
-    """Its PEFT files, when snapshots are written for an engine that loads adapters by path."""
+    """Its PEFT files, when snapshots are written for an engine that loads adapters by path (vLLM): then the
+    files are the snapshot, and the embedded engine beside vLLM loads them like a saved checkpoint's (a bounded
+    cache). A copy in memory too would hold max_ephemeral_per_model adapters per run on the training GPU: 40 GB
+    for a 30B MoE's experts' adapter."""
 
 
 class SamplerAdapters:
@@ -63,12 +67,14 @@ class SamplerAdapters:
 
     def add_ephemeral(self, sampling_session_id: str, model_id: str, adapter: LoraAdapter, base_model: str, *,
                       inflight: bool = False) -> None:
-        """Keep a snapshot (inflight: also make it what every inflight session of the run samples); the
-        oldest snapshots of the same run beyond the limit are dropped, never the run's newest inflight one."""
+        """Keep a snapshot (inflight: also make it what every inflight session of the run samples), in memory or,
+        with a snapshot_dir, as files only; the oldest snapshots of the same run beyond the limit are dropped,
+        never the run's newest inflight one."""
         directory = None
         if self.snapshot_dir is not None:
             directory = self.snapshot_dir / sampling_session_id
             save_peft_adapter(directory, adapter, base_model, dtype=self.snapshot_dtype)
+            adapter = None
         with self._lock:
             self._ephemeral[sampling_session_id] = Snapshot(sampling_session_id, model_id, adapter, directory)
             if inflight:
@@ -107,6 +113,7 @@ class SamplerAdapters:
             if self.on_forget is not None:
                 self.on_forget(sampling_session_id)
             if snapshot.directory is not None:
+                self.forget(snapshot.directory)
                 shutil.rmtree(snapshot.directory, ignore_errors=True)
 
     def cached(self, directory: Path) -> LoraAdapter | None:
@@ -118,7 +125,8 @@ class SamplerAdapters:
             return adapter
 
     def saved(self, directory: Path) -> LoraAdapter:
-        """The adapter of a saved checkpoint, loaded on first use and kept while recently used."""
+        """The adapter of a saved checkpoint (or of a snapshot's files), loaded on first use and kept while
+        recently used."""
         adapter = self.cached(directory)
         if adapter is not None:
             return adapter
@@ -133,6 +141,6 @@ class SamplerAdapters:
         return adapter
 
     def forget(self, directory: Path) -> None:
-        """Drop a deleted or overwritten checkpoint's cached adapter."""
+        """Drop a deleted or overwritten checkpoint's (or a dropped snapshot's) cached adapter."""
         with self._lock:
             self._saved.pop(directory, None)

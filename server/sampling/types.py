@@ -98,7 +98,11 @@ class AdapterRef:
     directory: Path | None
     """Its PEFT files (saved checkpoints, and snapshots where they are written); None: in memory only."""
     weights: LoraAdapter | None = None
-    """In memory already (snapshots); else loaded from `directory` by an engine that needs the tensors."""
+    """In memory already (snapshots of the embedded engine); else loaded from `directory` by an engine that
+    needs the tensors."""
+    checked_finite: bool = False
+    """Its weights were checked finite when it was made (every snapshot); else a saved checkpoint's files are
+    checked before vLLM first loads them."""
 
 
 TokenHook = Callable[[int, int, float, list[tuple[int, float]] | None], None]

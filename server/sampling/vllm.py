@@ -252,7 +252,7 @@ class VLLMEngine:
                 checked = self._adapter_paths.get(name) == path
             if not (path / "adapter_model.safetensors").exists():
                 raise NotFound(f"adapter files at {path} are gone")
-            if adapter.weights is None and not checked:
+            if not (adapter.checked_finite or checked):
                 # A saved checkpoint, read from disk as vLLM will read it: one an older server saved before
                 # optim_step refused to make non-finite weights would sample garbage without an error.
                 load_checkpoint(path, "cpu", with_optimizer=False).adapter.check_finite("the checkpoint's weights")

@@ -43,7 +43,7 @@ def test_dropped_snapshots_leave_the_disk_and_the_engine(tmp_path):
 
 def test_snapshots_are_written_in_the_served_dtype_and_kept_as_trained(tmp_path):
     """A bfloat16 vLLM casts an adapter to bfloat16 as it loads it: the file holds what it would make of the
-    float32 weights, in half the bytes; the embedded engine keeps sampling the float32 adapter in memory."""
+    float32 weights, in half the bytes."""
     adapters = SamplerAdapters(SamplerConfig(), "cpu", snapshot_dir=tmp_path, snapshot_dtype=torch.bfloat16)
     trained = _adapter(0)
     adapters.add_ephemeral("s:sample:0", "s:train:0", trained, "base")
@@ -53,14 +53,29 @@ def test_snapshots_are_written_in_the_served_dtype_and_kept_as_trained(tmp_path)
     assert written.keys() == expected.keys()
     for name, tensor in written.items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, expected[name].to(torch.bfloat16))
-    assert snapshot.adapter is trained and all(t.dtype == torch.float32 for t in expected.values())
+    assert all(t.dtype == torch.float32 for t in expected.values())  # the run's own adapter is untouched
     # As trained without a served dtype (a float32 vLLM, or a saved checkpoint).
     save_peft_adapter(tmp_path / "as-trained", trained, "base")
     assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "as-trained" / "adapter_model.safetensors").values())
 
 
+def test_written_snapshots_are_their_files_alone_and_leave_the_fallbacks_cache_when_dropped(tmp_path):
+    """With vLLM the snapshot's files are what every engine samples: no copy stays in memory (the newest 8
+    per run of a 30B MoE's experts' adapter would be 40 GB on the training GPU); the embedded engine beside
+    vLLM loads them like a saved checkpoint's, and a dropped snapshot leaves that cache with its files."""
+    adapters = SamplerAdapters(SamplerConfig(max_ephemeral_per_model=1), "cpu", snapshot_dir=tmp_path)
+    trained = _adapter(0)
+    adapters.add_ephemeral("s:sample:0", "s:train:0", trained, "base")
+    snapshot = adapters.ephemeral("s:sample:0")
+    assert snapshot.adapter is None
+    loaded = adapters.saved(snapshot.directory)  # what the embedded fallback samples
+    assert all(torch.equal(loaded.lora_B[name], trained.lora_B[name]) for name in trained.lora_B)
+    adapters.add_ephemeral("s:sample:1", "s:train:0", _adapter(1), "base")  # drops s:sample:0
+    assert adapters.cached(snapshot.directory) is None and not snapshot.directory.exists()
+
+
 def test_inflight_sessions_sample_the_runs_newest_inflight_save_and_a_pinned_version_stays(tmp_path):
-    adapters = SamplerAdapters(SamplerConfig(max_ephemeral_per_model=2), "cpu", snapshot_dir=tmp_path)
+    adapters = SamplerAdapters(SamplerConfig(max_ephemeral_per_model=2), "cpu")
     first, second = _adapter(1), _adapter(2)
     adapters.add_ephemeral("s:sample:0", "s:train:0", first, "base", inflight=True)
     pinned = adapters.ephemeral("s:sample:0")  # what a request accepted now samples with
@@ -68,11 +83,11 @@ def test_inflight_sessions_sample_the_runs_newest_inflight_save_and_a_pinned_ver
     for session in ("s:sample:0", "s:sample:1"):
         now = adapters.ephemeral(session)
         assert now.adapter is second and now.name == "s:sample:1"
-    assert pinned.adapter is first and pinned.name == "s:sample:0" and pinned.directory.exists()
+    assert pinned.adapter is first and pinned.name == "s:sample:0"
     # Snapshot saves of the run push out older versions, never the run's newest inflight one.
     for index in range(2, 5):
         adapters.add_ephemeral(f"s:sample:{index}", "s:train:0", _adapter(index), "base")
-    assert adapters.ephemeral("s:sample:0").adapter is second and not pinned.directory.exists()
+    assert adapters.ephemeral("s:sample:0").adapter is second
     with pytest.raises(NotFound):
         adapters.ephemeral("s:sample:2")
     adapters.forget_run("s:train:0")
