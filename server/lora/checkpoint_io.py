@@ -69,8 +69,8 @@ def _directory_size(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
 
 
-def save_peft_adapter(directory: Path, adapter: LoraAdapter, base_model: str,
-                      lora_config: LoraConfig | None = None, num_steps: int = 0, dtype: torch.dtype | None = None) -> int:
+def save_peft_adapter(directory: Path, adapter: LoraAdapter, base_model: str, lora_config: LoraConfig | None = None,
+                      num_steps: int = 0, dtype: torch.dtype | None = None) -> int:
     """Write the adapter (and its config) in PEFT's layout, its tensors as `dtype` if given (else as trained);
     returns the directory's size in bytes."""
     directory = Path(directory)

@@ -41,7 +41,7 @@ def test_dropped_snapshots_leave_the_disk_and_the_engine(tmp_path):
     assert forgotten == ["s:sample:0", "s:sample:1"] and list(tmp_path.iterdir()) == []
 
 
-def test_snapshots_are_written_in_the_served_dtype_and_kept_as_trained(tmp_path):
+def test_snapshots_are_written_in_the_served_dtype_and_the_run_keeps_its_own(tmp_path):
     """A bfloat16 vLLM casts an adapter to bfloat16 as it loads it: the file holds what it would make of the
     float32 weights, in half the bytes."""
     adapters = SamplerAdapters(SamplerConfig(), "cpu", snapshot_dir=tmp_path, snapshot_dtype=torch.bfloat16)
@@ -56,7 +56,8 @@ def test_snapshots_are_written_in_the_served_dtype_and_kept_as_trained(tmp_path)
     assert all(t.dtype == torch.float32 for t in expected.values())  # the run's own adapter is untouched
     # As trained without a served dtype (a float32 vLLM, or a saved checkpoint).
     save_peft_adapter(tmp_path / "as-trained", trained, "base")
-    assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "as-trained" / "adapter_model.safetensors").values())
+    as_trained = load_file(tmp_path / "as-trained" / "adapter_model.safetensors")
+    assert all(t.dtype == torch.float32 for t in as_trained.values())
 
 
 def test_written_snapshots_are_their_files_alone_and_leave_the_fallbacks_cache_when_dropped(tmp_path):
