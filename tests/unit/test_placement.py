@@ -4,6 +4,7 @@ benchmarks/placement.py (GPUs)."""
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -73,3 +74,16 @@ def test_each_replica_sees_its_own_gpus_and_runs_tensor_parallel(tmp_path, monke
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2VLForConditionalGeneration"]}))
     command = vllm_command(config, ServedModel(directory=tmp_path, name="m", dtype="bfloat16"), port=1)
     assert command[command.index("--tensor-parallel-size") + 1] == "2"
+
+
+@pytest.mark.parametrize("name", ["split", "colocated-1", "colocated-2", "colocated-2-tp2", "split-2-2", "split-1-2",
+                                  "colocated-4"])
+def test_every_placement_the_benchmark_measures_is_one_the_server_accepts(name):
+    """benchmarks/placement.py's flags, parsed as the server parses them: a placement refused at start-up would
+    cost a lent machine's minutes to find out."""
+    from benchmarks.placement import placement_flags
+
+    config = parse_config([*GPU_VLLM, *placement_flags(name, SimpleNamespace(split_memory=0.85, colocated_memory=0.3))])
+    vllm = config.sampler.vllm
+    assert len(vllm.devices) == vllm.replicas * vllm.tensor_parallel_size
+    assert len(config.trainer.training_devices) == config.trainer.local_ranks
