@@ -34,9 +34,9 @@ class Snapshot:
 
 
 class SamplerAdapters:
-    """Ephemeral snapshots (save_weights_and_get_sampling_client) live in memory, the newest few per
-    training run, and, when the sampling engine loads adapters by path (vLLM), also on disk in a
-    directory of their own. A snapshot session samples its own snapshot; an inflight session
+    """Ephemeral snapshots (save_weights_and_get_sampling_client), the newest few per training run, live in
+    memory, or, when the sampling engine loads adapters by path (vLLM), on disk instead, in a directory of
+    their own (read like a saved checkpoint's by the embedded engine beside vLLM). A snapshot session samples its own snapshot; an inflight session
     (kind="inflight") samples its run's newest inflight snapshot, so every inflight save moves all the
     run's inflight sessions forward, and never back. Saved adapters are loaded from their checkpoint
     directory on demand and kept in a bounded LRU, so an evicted one is simply reloaded."""
