@@ -19,6 +19,8 @@ builds, fed datums rendered exactly as the API renders them) and (b) the same st
 timed steps and the ratio (b)/(a). Each mode runs in a process of its own, so that (b) starts on a GPU
 that (a) has wholly given back; with --repeats N the modes run N times each, in alternating order
 (a b, b a, ...), and the ratio comes with its spread over the N pairs.
+--phases also prints rank 0's seconds in each phase of a step (render, scatter, compute, gather,
+all-reduce, optimizer; in-process mode only).
 
 FLOPs per token (LoRA: forward, plus backward to the activations only; the frozen base gets no
 weight gradient): 4 x N_llm (every matmul parameter of the language model, the unembedding
@@ -177,6 +179,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100 SXM)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/train-throughput"))
+    parser.add_argument("--phases", action="store_true",
+                        help="also time rank 0's phases of each step (render, scatter, load, compute, gather, "
+                             "all-reduce, the rest), the GPU synchronised at each phase's end")
     parser.add_argument("--profile", action="store_true",
                         help="print the operations and kernels that took most GPU time in one in-process step")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -357,6 +362,7 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
                               max_tokens_per_microbatch=args.microbatch_tokens, microbatch_layout=args.layout,
                               packed_attention=args.packed_attention, base_sharding=args.base_sharding,
                               activation_checkpointing=args.activation_checkpointing, compile=args.compile))
+    sync = torch.cuda.synchronize if args.device == "cuda" else None
     start = time.perf_counter()
     ranks = start_local_ranks(config)
     group = init_training_group(0, args.gpus, config.model.device_type, "127.0.0.1", config.trainer.master_port,
@@ -370,22 +376,33 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
     image_tokens = base.vision.processor.num_tokens(args.image_size, args.image_size)
     token = base.tokenizer.convert_tokens_to_ids
     results = {}
+    phases = PhaseTimer(trainer, sync) if args.phases else None
     try:
         for variant in variants:
             steps = build_steps(args, shape, variant, image_tokens, token("<|vision_start|>"), token("<|vision_end|>"))
             model_id = f"bench-{variant}"
             trainer.create_model(model_id, LoraConfig(rank=args.rank, seed=0))
 
+            if phases is not None:
+                phases.steps = []
+
             def step(step_index: int):
+                if phases is not None:
+                    phases.start_step()
                 with record_function("render"):  # named in --profile's trace
-                    examples = render_training_data(steps[step_index], context, ("weights",))
+                    examples = phases.timed("render", render_training_data) if phases else render_training_data
+                    examples = examples(steps[step_index], context, ("weights",))
                 with record_function("forward_backward"):
                     trainer.forward_backward(model_id, examples, "cross_entropy", None, forward_only=False)
                 with record_function("optim_step"):
                     trainer.optim_step(model_id, ADAM)
+                if phases is not None:
+                    phases.end_step()
 
-            results[variant] = time_steps(args, step, sync=torch.cuda.synchronize if args.device == "cuda" else None,
+            results[variant] = time_steps(args, step, sync=sync,
                                           peak_memory=peak_allocated if args.device == "cuda" else None)
+            if phases is not None:
+                results[variant]["phases"] = phases.steps[args.warmup:]
             results[variant]["work"] = [step_work(shape, variant, args.image_size, data)
                                         for data in steps[args.warmup:]]
             if args.profile and args.device == "cuda":
@@ -398,6 +415,65 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
             process.join(timeout=60)
         dist.destroy_process_group()
     return results
+
+
+class PhaseTimer:
+    """Rank 0's seconds in each phase of a step (--phases), by wrapping the trainer's own calls; the device is
+    synchronised at each phase's end, so a phase's time includes its GPU work. `gather` is mostly rank 0
+    waiting for the slowest other rank; `fb other` is forward_backward's own Python (planning, the results'
+    conversion), `optim other` the optimizer step and its checks, `rest` the step less all of these."""
+
+    INNER = (("commands", "broadcast"), ("scatter", "scatter"), ("load", "_load"), ("compute", "_run_microbatch"),
+             ("gather", "gather"), ("all-reduce", "_sum_gradients"))
+    OUTER = (("forward_backward", "forward_backward_pass"), ("optim_step", "optim_step"))
+
+    def __init__(self, trainer, sync):
+        self.sync = sync
+        self.steps: list[dict[str, float]] = []
+        self._inner: dict[str, float] = {}
+        self._outer: str | None = None
+        self._began = 0.0
+        for phase, name in self.INNER:
+            owner = trainer if hasattr(trainer, name) else trainer.group
+            setattr(owner, name, self._timed(phase, getattr(owner, name), outer=False))
+        for phase, name in self.OUTER:
+            setattr(trainer, name, self._timed(phase, getattr(trainer, name), outer=True))
+
+    def timed(self, phase: str, function):
+        return self._timed(phase, function, outer=False)
+
+    def start_step(self) -> None:
+        self.steps.append(dict.fromkeys(["render"] + [phase for phase, _ in self.INNER + self.OUTER], 0.0))
+        self._inner = {phase: 0.0 for phase, _ in self.OUTER}
+        self._began = time.perf_counter()
+
+    def end_step(self) -> None:
+        if self.sync is not None:
+            self.sync()
+        last = self.steps[-1]
+        last["rest"] = time.perf_counter() - self._began - last["render"]
+        for phase, _ in self.OUTER:
+            last["rest"] -= last[phase]
+            last[f"{phase.split('_')[0]} other"] = last.pop(phase) - self._inner[phase]
+
+    def _timed(self, phase: str, function, outer: bool):
+        def timed_call(*args, **kwargs):
+            start = time.perf_counter()
+            if outer:
+                self._outer = phase
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if self.sync is not None:
+                    self.sync()
+                elapsed = time.perf_counter() - start
+                if self.steps:
+                    self.steps[-1][phase] += elapsed
+                    if outer:
+                        self._outer = None
+                    elif self._outer is not None:
+                        self._inner[self._outer] += elapsed
+        return timed_call
 
 
 def time_steps(args, step, sync, peak_memory) -> dict:
@@ -552,6 +628,10 @@ def main() -> None:
                                      tokens_per_s_per_gpu=float(np.median(sum(rates, []))),
                                      mfu=float(np.median(mfus)),
                                      peak_memory_gib=max(results[variant]["peak_memory_gib"] for results in repeats))
+                phase_steps = [phases for results in repeats for phases in results[variant].get("phases", [])]
+                if phase_steps:
+                    by_mode[mode]["phases"] = {name: float(np.median([phases[name] for phases in phase_steps]))
+                                               for name in phase_steps[0]}
                 rows.append(by_mode[mode])
             # Process i of each mode ran next to the other's process i: their ratio, pair by pair.
             suffixes = [f":{layout}" for layout in layouts] if len(layouts) > 1 else [""]
@@ -586,6 +666,9 @@ def main() -> None:
             step_range = f"{min(steps):.2f}-{max(steps):.2f}"
             print(f"{row['shape']:6} {row['variant']:12} {row['mode']:22} {row['step_seconds']:8.2f} {step_range:>13} "
                   f"{row['tokens_per_s_per_gpu']:10.0f} {row['mfu']:6.1%} {row['peak_memory_gib']:9.1f}")
+            if "phases" in row:
+                print(" " * 8 + "rank 0's median seconds: " + ", ".join(f"{name} {seconds:.3f}"
+                                                                      for name, seconds in row["phases"].items()))
 
 
 if __name__ == "__main__":

@@ -65,7 +65,8 @@ def _to_rgb(image: Image.Image) -> np.ndarray:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return np.array(Image.alpha_composite(background, rgba).convert("RGB"))
-    return np.array(image.convert("RGB"))
+    # convert() copies even an RGB image (0.5 ms of a 448x448 JPEG's 2 ms on the CPU box).
+    return np.array(image if image.mode == "RGB" else image.convert("RGB"))
 
 
 def preprocess(rgb: np.ndarray, spec: ImageProcessorSpec, sha256: str) -> PreparedImage:

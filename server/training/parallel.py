@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from server.config import REPLICATE_SHARE
+from server.training import object_transfer
 from server.training.lifelines import Lifelines
 
 # Generous: rank 0 may wait a long time between two training requests.
@@ -55,16 +56,23 @@ class TrainingGroup:
         return box[0]
 
     def scatter(self, values: list[Any] | None = None) -> Any:
-        """values[rank] (given on rank 0) on each rank."""
-        box = [None]
-        dist.scatter_object_list(box, values if self.is_leader else None, src=0, group=self.objects)
-        return box[0]
+        """values[rank] (given on rank 0) on each rank; rank 0 keeps its own without a copy. Each rank's value
+        is on its way while rank 0 packs the next one's."""
+        if not self.is_leader:
+            return object_transfer.receive(0, self.objects)
+        sending = [work for rank in range(1, self.world_size)
+                   for work in object_transfer.send(values[rank], rank, self.objects)]
+        for work in sending:
+            work.wait()
+        return values[0]
 
     def gather(self, value: Any) -> list[Any] | None:
         """Every rank's value, in rank order, on rank 0 (None elsewhere)."""
-        values = [None] * self.world_size if self.is_leader else None
-        dist.gather_object(value, values, dst=0, group=self.objects)
-        return values
+        if self.is_leader:
+            return [value] + [object_transfer.receive(rank, self.objects) for rank in range(1, self.world_size)]
+        for work in object_transfer.send(value, 0, self.objects):
+            work.wait()
+        return None
 
 
 def free_port() -> int:

@@ -130,8 +130,15 @@ def _check_finite(loaded: checkpoint_io.LoadedCheckpoint) -> None:
 
 
 def _copy_of_optimizer(optimizer: torch.optim.AdamW) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    return [(parameter.detach().clone(), {k: v.clone() for k, v in optimizer.state.get(parameter, {}).items()})
-            for group in optimizer.param_groups for parameter in group["params"]]
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    states = [optimizer.state.get(parameter, {}) for parameter in parameters]
+    tensors = [parameter.detach() for parameter in parameters] + [v for state in states for v in state.values()]
+    copies = [torch.empty_like(tensor) for tensor in tensors]
+    # One copy kernel for many tensors: a 4B model's adapter and moments are about 2,000 tensors.
+    torch._foreach_copy_(copies, tensors)
+    copied = iter(copies)
+    weights = [next(copied) for _ in parameters]
+    return [(weight, {k: next(copied) for k in state}) for weight, state in zip(weights, states)]
 
 
 def _restore_optimizer(optimizer: torch.optim.AdamW, copy: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> None:
@@ -492,7 +499,7 @@ class Trainer:
         dist.all_reduce(flat)
         *summed, held = flat.split([t.numel() for t in tensors] + [len(tensors)])
         for tensor, gradient, anyone in zip(tensors, summed, held.tolist()):
-            tensor.grad = gradient.view_as(tensor).clone() if anyone else None
+            tensor.grad = gradient.view_as(tensor) if anyone else None  # views of `flat`, which the step then frees
 
     # -- checkpoints ---------------------------------------------------------------------------
 
