@@ -19,8 +19,10 @@ The ratio burst / one is what a request costs beyond its sample; 1.0 is the engi
 Sides: `server` (python -m server, embedded engine, driven by the tinker SDK), `server-eager` (the same
 with `--sampler-cuda-graphs off`: on a CUDA device, decode steps run eagerly instead of replayed as CUDA graphs), `server-vllm`
 (python -m server --sampler vllm, the SDK), `raw-vllm` (vLLM's own OpenAI server started with the
-flags the server gives its vLLM, driven over HTTP by one asyncio client, no server of ours). Peak memory
-is the RSS of each side's process tree (CPU) or the GPU memory in use.
+flags the server gives its vLLM, driven over HTTP by one asyncio client, no server of ours). Every side
+samples a LoRA adapter of rank 8 (raw-vllm loads the one a server side saved), or with `--sample base` the
+base model: the same work on both sides of server-vllm / raw-vllm either way. Peak memory is the RSS of each
+side's process tree (CPU) or the GPU memory in use.
 
 The side `grid-walk` is a multi-turn VLM RL step as users run one: the grid walk
 (client_compat/examples/grid_walk.py) through the cookbook's RL loop, `--walk-groups` grids x
@@ -74,6 +76,9 @@ def parse_args() -> argparse.Namespace:
                              "SDK's own request bodies, asample then retrieve_future) to measure the server without "
                              "the SDK's own cost per request")
     parser.add_argument("--sides", default="server")
+    parser.add_argument("--sample", choices=["adapter", "base"], default="adapter",
+                        help="what every side samples: a LoRA adapter of rank 8 (as an RL loop does; raw-vllm loads the "
+                             "one a server side saved), or the base model")
     parser.add_argument("--server-args", default="", help="more flags for python -m server")
     parser.add_argument("--vllm-python", type=Path, default=REPO_ROOT / ".venv-vllm" / "bin" / "python")
     parser.add_argument("--walk-steps", type=int, default=6, help="grid-walk RL steps (the first is not counted)")
@@ -183,8 +188,8 @@ class Prompts:
         return types.ModelInput(chunks=chunks)
 
 
-def client_process(url: str, api_key: str, sampler_path: str, model_dir: str, num_images: int, indices: list[int],
-                   max_tokens: int, client: str, ready, go, results) -> None:
+def client_process(url: str, api_key: str, sampled: dict[str, str], model_dir: str, num_images: int,
+                   indices: list[int], max_tokens: int, client: str, ready, go, results) -> None:
     """One of --clients processes: its own SDK client (or plain HTTP client) sends its share of a burst once all
     are ready."""
     import tinker
@@ -194,7 +199,7 @@ def client_process(url: str, api_key: str, sampler_path: str, model_dir: str, nu
     from client_compat.images import ImageChunker
 
     service = tinker.ServiceClient(base_url=url, api_key=api_key)
-    sampler = service.create_sampling_client(model_path=sampler_path).result()
+    sampler = service.create_sampling_client(**sampled).result()
     prompts = Prompts(AutoTokenizer.from_pretrained(model_dir), ImageChunker(model_dir))
     inputs = [prompts.build(index, num_images) for index in indices]
     params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0, stop=[])
@@ -246,7 +251,7 @@ def http_sender(url: str, api_key: str, sampling_session_id: str, inputs, params
     return send
 
 
-def burst_from_processes(args, server, sampler_path: str, model_dir: str, num_images: int,
+def burst_from_processes(args, server, sampled: dict[str, str], model_dir: str, num_images: int,
                          round_index: int) -> tuple[float, list[float]]:
     """A round's burst split over --clients processes that start together; (the slowest's seconds, latencies)."""
     import multiprocessing
@@ -255,7 +260,7 @@ def burst_from_processes(args, server, sampler_path: str, model_dir: str, num_im
     ready, go, results = context.Queue(), context.Event(), context.Queue()
     first = round_index * args.requests
     processes = [context.Process(target=client_process, args=(
-        server.url, server.api_key, sampler_path, model_dir, num_images,
+        server.url, server.api_key, sampled, model_dir, num_images,
         list(range(first + client, first + args.requests, args.clients)), args.max_tokens, args.client, ready, go,
         results))
         for client in range(args.clients)]
@@ -289,8 +294,10 @@ def run_server(args, side: str) -> dict:
         training = service.create_lora_training_client(base_model=args.base_model, rank=8).result()
         tokenizer = training.get_tokenizer()
         chunker = ImageChunker(training.get_info().model_data.tokenizer_id)
-        sampler_path = training.save_weights_for_sampler("rollout").result().path
-        sampler = service.create_sampling_client(model_path=sampler_path).result()
+        # The sampling client's arguments: a saved adapter's path, or the base model's name.
+        sampled = ({"model_path": training.save_weights_for_sampler("rollout").result().path}
+                   if args.sample == "adapter" else {"base_model": args.base_model})
+        sampler = service.create_sampling_client(**sampled).result()
         prompts = Prompts(tokenizer, chunker)
         prompt = prompts.build
 
@@ -307,7 +314,7 @@ def run_server(args, side: str) -> dict:
                 burst = None
                 if args.clients > 1 or args.client == "http":
                     burst = lambda round_index, num_images=num_images: burst_from_processes(  # noqa: E731
-                        args, server, sampler_path, training.get_info().model_data.tokenizer_id, num_images,
+                        args, server, sampled, training.get_info().model_data.tokenizer_id, num_images,
                         round_index)
 
                 async def send_many(count: int, num_images=num_images):
@@ -346,6 +353,13 @@ def run_raw_vllm(args) -> dict:
     vllm_config = dataclasses.replace(config.sampler.vllm, max_model_len=min(config.sampler.vllm.max_model_len,
                                                                            positions or config.sampler.vllm.max_model_len))
     command = vllm_command(vllm_config, served, port)
+    model = args.base_model
+    if args.sample == "adapter":  # the adapter a server side saved, loaded by vLLM at start
+        saved = sorted(args.work_dir.glob("server*/**/adapter_config.json"), key=lambda path: path.stat().st_mtime)
+        if not saved:
+            raise SystemExit(f"no saved adapter under {args.work_dir}: run a server side first, or --sample base")
+        model = "rollout"
+        command += ["--lora-modules", f"{model}={saved[-1].parent}"]
     log = (args.work_dir / "raw-vllm.log").open("w")
     process = subprocess.Popen(command, env=vllm_environment(vllm_config), stdout=log,
                                stderr=subprocess.STDOUT, start_new_session=True)
@@ -372,7 +386,7 @@ def run_raw_vllm(args) -> dict:
 
                 def body(index: int, num_samples: int, num_images=num_images) -> tuple[str, dict]:
                     ids = prompt_text(tokenizer, index)
-                    common = {"model": args.base_model, "max_tokens": args.max_tokens, "n": num_samples,
+                    common = {"model": model, "max_tokens": args.max_tokens, "n": num_samples,
                               "temperature": 1.0, "ignore_eos": True}
                     if num_images == 0:
                         return "/v1/completions", {**common, "prompt": ids}
@@ -487,7 +501,8 @@ def main() -> None:
         print_walk(results["grid-walk"])
     requests = {side: result for side, result in results.items() if side != "grid-walk"}
     if requests:
-        print(f"\n{args.requests} requests of {args.max_tokens} new tokens")
+        print(f"\n{args.requests} requests of {args.max_tokens} new tokens; every side samples "
+              f"{'a LoRA adapter of rank 8' if args.sample == 'adapter' else 'the base model'}")
         print_table(requests)
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results},
