@@ -64,7 +64,8 @@ def unpack(skeleton: torch.Tensor, flat: torch.Tensor) -> Any:
 
 
 def send(value: Any, destination: int, group: dist.ProcessGroup) -> list[dist.Work]:
-    """Start sending `value` to rank `destination`; wait on the returned works before changing it."""
+    """Start sending `value` to rank `destination`, packed into buffers of its own (the value may change at once);
+    the returned works complete once it is sent."""
     skeleton, flat = pack(value)
     works = [dist.isend(torch.tensor([skeleton.numel(), flat.numel()]), destination, group=group),
              dist.isend(skeleton, destination, group=group)]
