@@ -73,13 +73,15 @@ def preprocess(rgb: np.ndarray, spec: ImageProcessorSpec, sha256: str) -> Prepar
     """Resize as the processor's torchvision backend does on CPU: bicubic, antialiased, in uint8."""
     height, width = rgb.shape[:2]
     resized_height, resized_width = spec.resized_size(height, width)
-    pixels = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)
+    # Channels first by numpy: images are prepared on several threads at once, and torch's copy would start a
+    # team of OpenMP threads (as many as the rank's share of the cores) from each.
+    pixels = torch.from_numpy(np.ascontiguousarray(rgb.transpose(2, 0, 1)))
     if (resized_height, resized_width) != (height, width):
         pixels = F.interpolate(pixels[None], size=(resized_height, resized_width), mode="bicubic",
                                antialias=True, align_corners=False)[0]
     p, m = spec.patch_size, spec.merge_size
     grid_h, grid_w = resized_height // p, resized_width // p
-    return PreparedImage(sha256=sha256, pixels=pixels.contiguous(), grid_thw=(1, grid_h, grid_w),
+    return PreparedImage(sha256=sha256, pixels=pixels, grid_thw=(1, grid_h, grid_w),
                          num_tokens=grid_h * grid_w // (m * m), processor=spec)
 
 
