@@ -24,7 +24,9 @@ class _Packer(pickle.Pickler):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.pieces: list[tuple[int, torch.Tensor]] = []
         self.size = 0
-        self.references: dict[int, tuple] = {}  # a tensor met twice (an image in two datums) travels once
+        # A tensor met twice (an image in two datums) travels once; each is kept here with its reference, so that
+        # its id is not reused during the dump by a tensor that a __reduce__ makes and drops.
+        self.references: dict[int, tuple[tuple, torch.Tensor]] = {}
 
     def persistent_id(self, obj):
         if type(obj) is not torch.Tensor or obj.device.type != "cpu" or obj.layout != torch.strided:
@@ -34,8 +36,8 @@ class _Packer(pickle.Pickler):
             start = -(-self.size // _ALIGNMENT) * _ALIGNMENT
             self.pieces.append((start, data))
             self.size = start + data.numel()
-            self.references[id(obj)] = (start, data.numel(), obj.dtype, tuple(obj.shape))
-        return self.references[id(obj)]
+            self.references[id(obj)] = ((start, data.numel(), obj.dtype, tuple(obj.shape)), obj)
+        return self.references[id(obj)][0]
 
 
 class _Unpacker(pickle.Unpickler):
