@@ -129,27 +129,37 @@ def _check_finite(loaded: checkpoint_io.LoadedCheckpoint) -> None:
                              "(load_state) or a checkpoint saved before the run went bad")
 
 
-def _copy_of_optimizer(optimizer: torch.optim.AdamW) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-    states = [optimizer.state.get(parameter, {}) for parameter in parameters]
-    tensors = [parameter.detach() for parameter in parameters] + [v for state in states for v in state.values()]
-    copies = [torch.empty_like(tensor) for tensor in tensors]
-    # One copy kernel for many tensors: a 4B model's adapter and moments are about 2,000 tensors.
-    torch._foreach_copy_(copies, tensors)
-    copied = iter(copies)
-    weights = [next(copied) for _ in parameters]
-    return [(weight, {k: next(copied) for k in state}) for weight, state in zip(weights, states)]
+class _UndoCopy:
+    """What an AdamW step changes (weights and moments), copied to put back a step that made them non-finite.
 
+    One flat buffer per dtype: a 4B model's adapter and moments are about 2,000 tensors, and one allocation and
+    one copy kernel for all of them cost a fraction of one each."""
 
-def _restore_optimizer(optimizer: torch.optim.AdamW, copy: list[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> None:
-    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-    with torch.no_grad():
-        for parameter, (weights, state) in zip(parameters, copy, strict=True):
-            parameter.copy_(weights)
-            if state:
-                optimizer.state[parameter] = state
-            else:
-                optimizer.state.pop(parameter, None)
+    def __init__(self, optimizer: torch.optim.AdamW):
+        self.optimizer = optimizer
+        self.parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        self.state_keys = [tuple(optimizer.state.get(parameter, {})) for parameter in self.parameters]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in self._tensors():
+            by_dtype.setdefault(tensor.dtype, []).append(tensor.view(-1))
+        self.flats = {dtype: torch.cat(tensors) for dtype, tensors in by_dtype.items()}
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """The weights, then the moments the step found, in the order they were copied."""
+        state = self.optimizer.state
+        return ([parameter.detach() for parameter in self.parameters]
+                + [state[parameter][key] for parameter, keys in zip(self.parameters, self.state_keys)
+                   for key in keys])
+
+    def restore(self) -> None:
+        for parameter, keys in zip(self.parameters, self.state_keys):
+            if not keys:  # the step made its moments: there were none
+                self.optimizer.state.pop(parameter, None)
+        tensors = self._tensors()
+        for dtype, flat in self.flats.items():
+            targets = [t for t in tensors if t.dtype == dtype]
+            pieces = flat.split([t.numel() for t in targets])
+            torch._foreach_copy_(targets, [piece.view_as(t) for piece, t in zip(pieces, targets)])
 
 
 def build_trainer(model: ModelConfig, config: TrainerConfig, feature_cache_bytes: int,
@@ -476,11 +486,12 @@ class Trainer:
                          weight_decay=params.weight_decay)
         # A finite gradient can still give non-finite weights (an update past float range): keep what the
         # step changes, to put it back rather than poison the run for good.
-        before = _copy_of_optimizer(run.optimizer)
+        before = _UndoCopy(run.optimizer)
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
         if not all_finite(_optimizer_tensors(run.optimizer)):
-            _restore_optimizer(run.optimizer, before)
+            with torch.no_grad():
+                before.restore()
             raise InvalidRequest(f"this optim_step would have made the weights of {model_id} non-finite; it was not "
                                  f"applied and the gradients were cleared: the weights and optimizer state are as they "
                                  f"were (a smaller learning_rate, or grad_clip_norm, may help)")

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from server.config import ModelConfig, TrainerConfig
 from server.errors import InvalidRequest
 from server.lora import checkpoint_io
-from server.lora.layers import AdapterSlot, LoraAdapter, apply_lora_wrappers, use_adapter
+from server.lora.layers import AdapterSlot, LoraAdapter, all_finite, apply_lora_wrappers, use_adapter
 from server.models.builtin import ensure_builtin_model
 from server.models.loading import LoadedModel, load_base_model
 from server.rendering.provenance import RECORDED_LOGPROBS, SAMPLED_MASK
@@ -664,6 +664,26 @@ def test_a_step_that_would_make_the_weights_non_finite_is_rolled_back_and_such_w
     for copy_out in (lambda: trainer.copy_state(model_id, True), lambda: trainer.snapshot(model_id)):
         with pytest.raises(InvalidRequest, match="not finite; they cannot be saved, sampled or trained"):
             copy_out()
+
+
+def test_a_first_step_that_would_make_the_weights_non_finite_leaves_no_moments_and_the_next_step_works(trainer):
+    model_id = create_run(trainer)
+    run = trainer.models[model_id]
+    before = parameters(trainer, model_id)
+    trainer.forward_backward(model_id, sft_batch(17, [6], trainer.base.vocab_size), "cross_entropy", None,
+                             forward_only=False)
+    next(t for t in run.adapter.parameters() if t.grad is not None).grad.view(-1)[0] = 0.0
+    unsafe = AdamParams.model_construct(**{**ADAM.model_dump(), "beta1": 0.0, "beta2": 0.0, "eps": 0.0})
+
+    with pytest.raises(InvalidRequest, match="non-finite; it was not applied"):
+        trainer.optim_step(model_id, unsafe)
+
+    assert_all_close(parameters(trainer, model_id), before, rtol=0, atol=0)
+    assert not run.optimizer.state and run.num_steps == 0
+    trainer.forward_backward(model_id, sft_batch(17, [6], trainer.base.vocab_size), "cross_entropy", None,
+                             forward_only=False)
+    assert np.isfinite(trainer.optim_step(model_id, ADAM)["grad_norm:mean"])
+    assert run.num_steps == 1 and all_finite(parameters(trainer, model_id))
 
 
 def test_grad_clip_norm_clips_the_global_norm_and_the_reported_norm_is_the_pre_clip_one(trainer):
