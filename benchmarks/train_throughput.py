@@ -413,7 +413,8 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
         trainer.stop_followers()
         for process in ranks:
             process.join(timeout=60)
-        dist.destroy_process_group()
+        if dist.is_initialized():  # one rank: stop_followers had no group to leave
+            dist.destroy_process_group()
     return results
 
 

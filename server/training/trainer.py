@@ -248,9 +248,13 @@ class Trainer:
                 raise TypeError(f"not a command for a training rank: {command!r}")
 
     def stop_followers(self) -> None:
+        """Tell the other ranks to stop, and leave the process group with them: under NCCL a rank's
+        destroy_process_group waits for every rank's (the followers call theirs as they stop), so a leader
+        that only waited for them to exit would wait out each of its join timeouts."""
         if self.group.is_leader and self.group.world_size > 1:
             self.group.lifelines.stop()
             self.group.broadcast(None)
+            dist.destroy_process_group()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
