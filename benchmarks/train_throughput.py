@@ -19,7 +19,7 @@ builds, fed datums rendered exactly as the API renders them) and (b) the same st
 timed steps and the ratio (b)/(a). Each mode runs in a process of its own, so that (b) starts on a GPU
 that (a) has wholly given back; with --repeats N the modes run N times each, in alternating order
 (a b, b a, ...), and the ratio comes with its spread over the N pairs.
---phases also prints rank 0's seconds in each phase of a step (render, scatter, compute, gather,
+--phases also prints rank 0's seconds in each phase of a step (render, scatter, compute and each micro-batch of it, gather,
 all-reduce, optimizer; in-process mode only).
 
 FLOPs per token (LoRA: forward, plus backward to the activations only; the frozen base gets no
@@ -433,6 +433,7 @@ class PhaseTimer:
         self.steps: list[dict[str, float]] = []
         self._inner: dict[str, float] = {}
         self._outer: str | None = None
+        self._microbatches = 0
         self._began = 0.0
         for phase, name in self.INNER:
             owner = trainer if hasattr(trainer, name) else trainer.group
@@ -446,6 +447,7 @@ class PhaseTimer:
     def start_step(self) -> None:
         self.steps.append(dict.fromkeys(["render"] + [phase for phase, _ in self.INNER + self.OUTER], 0.0))
         self._inner = {phase: 0.0 for phase, _ in self.OUTER}
+        self._microbatches = 0
         self._began = time.perf_counter()
 
     def end_step(self) -> None:
@@ -470,6 +472,9 @@ class PhaseTimer:
                 elapsed = time.perf_counter() - start
                 if self.steps:
                     self.steps[-1][phase] += elapsed
+                    if phase == "compute":  # each micro-batch's own too: does one of them take more than its tokens?
+                        self._microbatches += 1
+                        self.steps[-1][f"micro-batch {self._microbatches}"] = elapsed
                     if outer:
                         self._outer = None
                     elif self._outer is not None:
@@ -630,9 +635,10 @@ def main() -> None:
                                      mfu=float(np.median(mfus)),
                                      peak_memory_gib=max(results[variant]["peak_memory_gib"] for results in repeats))
                 phase_steps = [phases for results in repeats for phases in results[variant].get("phases", [])]
-                if phase_steps:
-                    by_mode[mode]["phases"] = {name: float(np.median([phases[name] for phases in phase_steps]))
-                                               for name in phase_steps[0]}
+                if phase_steps:  # (a step with fewer micro-batches counts 0 s for the others)
+                    names = dict.fromkeys(name for phases in phase_steps for name in phases)
+                    by_mode[mode]["phases"] = {name: float(np.median([phases.get(name, 0.0) for phases in phase_steps]))
+                                               for name in names}
                 rows.append(by_mode[mode])
             # Process i of each mode ran next to the other's process i: their ratio, pair by pair.
             suffixes = [f":{layout}" for layout in layouts] if len(layouts) > 1 else [""]
