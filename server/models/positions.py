@@ -7,6 +7,9 @@ Qwen3-VL for still images, computed per image so that two adjacent images stay d
 nothing about token ids or chunks: the caller says which runs are text and which are images.
 """
 
+from functools import lru_cache
+
+import numpy as np
 import torch
 
 Segment = int | tuple[int, int, int]
@@ -19,11 +22,20 @@ def mrope_position_ids(segments: list[Segment], merge_size: int) -> torch.Tensor
     start = 0
     for segment in segments:
         if isinstance(segment, int):
-            pieces.append(torch.arange(start, start + segment).expand(3, -1))
+            pieces.append(np.broadcast_to(np.arange(start, start + segment), (3, segment)))
             start += segment
             continue
-        grid_t, grid_h, grid_w = segment[0], segment[1] // merge_size, segment[2] // merge_size
-        t, h, w = torch.meshgrid(torch.arange(grid_t), torch.arange(grid_h), torch.arange(grid_w), indexing="ij")
-        pieces.append(torch.stack([t, h, w]).reshape(3, -1) + start)
+        grid_h, grid_w = segment[1] // merge_size, segment[2] // merge_size
+        pieces.append(_grid_offsets(segment[0], grid_h, grid_w) + start)
         start += max(grid_h, grid_w)
-    return torch.cat(pieces, dim=1) if pieces else torch.zeros(3, 0, dtype=torch.long)
+    # numpy, not torch: a training request renders tens of datums on rank 0 while the other ranks wait, and
+    # torch's per-op overhead was most of this function's time.
+    return torch.from_numpy(np.concatenate(pieces, axis=1)) if pieces else torch.zeros(3, 0, dtype=torch.long)
+
+
+@lru_cache(maxsize=256)
+def _grid_offsets(grid_t: int, grid_h: int, grid_w: int) -> np.ndarray:
+    """int64 [3, t*h*w] (t, row, column) of each merged patch, row-major; read-only (shared by every caller)."""
+    offsets = np.stack(np.meshgrid(np.arange(grid_t), np.arange(grid_h), np.arange(grid_w), indexing="ij")).reshape(3, -1)
+    offsets.flags.writeable = False
+    return offsets

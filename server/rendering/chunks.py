@@ -107,8 +107,8 @@ def render_model_input(model_input: ModelInput, context: RenderContext, where: s
         token_ids.append(vision.image_token_id)
     if not token_ids:
         raise InvalidRequest(f"{where}: the model input is empty")
-    bad = next((t for t in text_ids if not 0 <= t < context.vocab_size), None)
-    if bad is not None:
+    if text_ids and (min(text_ids) < 0 or max(text_ids) >= context.vocab_size):  # C loops; the culprit found after
+        bad = next(t for t in text_ids if not 0 <= t < context.vocab_size)
         raise InvalidRequest(f"{where}: token id {bad} is outside the vocabulary [0, {context.vocab_size})")
     if vision is not None and not vision.reserved_token_ids.isdisjoint(text_ids):
         placeholder = next(t for t in text_ids if t in vision.reserved_token_ids)
