@@ -19,8 +19,8 @@ builds, fed datums rendered exactly as the API renders them) and (b) the same st
 timed steps and the ratio (b)/(a). Each mode runs in a process of its own, so that (b) starts on a GPU
 that (a) has wholly given back; with --repeats N the modes run N times each, in alternating order
 (a b, b a, ...), and the ratio comes with its spread over the N pairs.
---phases also prints rank 0's seconds in each phase of a step (render, scatter, compute and each micro-batch of it, gather,
-all-reduce, optimizer; in-process mode only).
+--phases also prints rank 0's seconds in each phase of a step (render, scatter, compute and each
+micro-batch of it, gather, all-reduce, optimizer; in-process mode only).
 
 FLOPs per token (LoRA: forward, plus backward to the activations only; the frozen base gets no
 weight gradient): 4 x N_llm (every matmul parameter of the language model, the unembedding

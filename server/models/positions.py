@@ -36,6 +36,7 @@ def mrope_position_ids(segments: list[Segment], merge_size: int) -> torch.Tensor
 @lru_cache(maxsize=256)
 def _grid_offsets(grid_t: int, grid_h: int, grid_w: int) -> np.ndarray:
     """int64 [3, t*h*w] (t, row, column) of each merged patch, row-major; read-only (shared by every caller)."""
-    offsets = np.stack(np.meshgrid(np.arange(grid_t), np.arange(grid_h), np.arange(grid_w), indexing="ij")).reshape(3, -1)
+    axes = np.meshgrid(np.arange(grid_t), np.arange(grid_h), np.arange(grid_w), indexing="ij")
+    offsets = np.stack(axes).reshape(3, -1)
     offsets.flags.writeable = False
     return offsets

@@ -141,7 +141,7 @@ class _UndoCopy:
         self.state_keys = [tuple(optimizer.state.get(parameter, {})) for parameter in self.parameters]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in self._tensors():
-            by_dtype.setdefault(tensor.dtype, []).append(tensor.view(-1))
+            by_dtype.setdefault(tensor.dtype, []).append(tensor.reshape(-1))  # a view where contiguous
         self.flats = {dtype: torch.cat(tensors) for dtype, tensors in by_dtype.items()}
 
     def _tensors(self) -> list[torch.Tensor]:
