@@ -88,7 +88,8 @@ def build_services(config: ServerConfig, metrics: ServerMetrics) -> Services:
     logger.info("event=model_loaded base_model=%s device=%s dtype=%s ranks=%d base_sharding=%s seconds=%.1f",
                 base.name, config.model.device, config.model.dtype, trainer_config.world_size, trainer.base_sharding,
                 time.perf_counter() - started)
-    images = ImagePreparer(base.vision.processor, config.images) if base.vision is not None else None
+    images = (ImagePreparer(base.vision.processor, config.images, host_pixel_values=config.model.device_type == "cpu")
+              if base.vision is not None else None)
     render_context = RenderContext.build(base, config.limits.max_sequence_length, images)
     sampler, adapters = build_sampling_engine(config.sampler, config.model, config.images.feature_cache_bytes, base,
                                               config.data_dir)

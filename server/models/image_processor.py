@@ -122,13 +122,13 @@ class PreparedImage:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: the pixels, and the pixel values and PNG once derived (the caches count them up
-        front; a PNG of these pixels is about their size at most)."""
+    def held_bytes(self, host_pixel_values: bool) -> int:
+        """Bytes held once derived (caches count them up front): the pixels and their PNG (about their size at
+        most), and the host's pixel values where they are derived (a CPU device: 8x the pixels)."""
         _, grid_h, grid_w = self.grid_thw
         spec = self.processor
-        return 2 * self.pixels.numel() + grid_h * grid_w * 3 * spec.temporal_patch_size * spec.patch_size ** 2 * 4
+        pixel_values = grid_h * grid_w * 3 * spec.temporal_patch_size * spec.patch_size ** 2 * 4
+        return 2 * self.pixels.numel() + (pixel_values if host_pixel_values else 0)
 
     @functools.cached_property
     def png_bytes(self) -> bytes:

@@ -88,9 +88,12 @@ def preprocess(rgb: np.ndarray, spec: ImageProcessorSpec, sha256: str) -> Prepar
 class ImagePreparer:
     """Decodes and preprocesses images once per content hash, in a byte-bounded LRU shared by all requests."""
 
-    def __init__(self, spec: ImageProcessorSpec, config: ImageConfig):
+    def __init__(self, spec: ImageProcessorSpec, config: ImageConfig, host_pixel_values: bool = True):
+        """`host_pixel_values`: whether the images' pixel values are derived on the host (a CPU device): on a
+        GPU they never are, and a cache that counted them would hold a fifth of the images it can."""
         self.spec = spec
         self.config = config
+        self.host_pixel_values = host_pixel_values
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, PreparedImage] = OrderedDict()
         self._cached_bytes = 0
@@ -126,10 +129,10 @@ class ImagePreparer:
         with self._lock:
             if sha256 not in self._cache:
                 self._cache[sha256] = image
-                self._cached_bytes += image.nbytes
+                self._cached_bytes += image.held_bytes(self.host_pixel_values)
             while self._cached_bytes > self.config.decoded_cache_bytes and len(self._cache) > 1:
                 _, evicted = self._cache.popitem(last=False)
-                self._cached_bytes -= evicted.nbytes
+                self._cached_bytes -= evicted.held_bytes(self.host_pixel_values)
         return image
 
     def read_asset(self, location: str, where: str) -> bytes:

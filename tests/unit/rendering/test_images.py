@@ -112,9 +112,15 @@ def test_the_same_bytes_are_decoded_once(qwen2_vl, monkeypatch):
     assert preparer.prepare(encode(noise_image(40, 30, seed=1)), "c") is not first and len(decodes) == 2
 
 
-def test_the_cache_is_bounded_by_bytes(qwen2_vl):
-    image_bytes = ImagePreparer(qwen2_vl.vision.processor, CONFIG).prepare(encode(noise_image(64, 64)), "x").nbytes
-    preparer = ImagePreparer(qwen2_vl.vision.processor, ImageConfig(decoded_cache_bytes=3 * image_bytes))
+@pytest.mark.parametrize("host_pixel_values", [True, False])
+def test_the_cache_is_bounded_by_the_bytes_its_images_will_hold(qwen2_vl, host_pixel_values):
+    image = ImagePreparer(qwen2_vl.vision.processor, CONFIG).prepare(encode(noise_image(64, 64)), "x")
+    # Pixels, their PNG, and (on a CPU device) the float32 pixel values: 8x the pixels.
+    pixels = image.pixels.numel()
+    image_bytes = 2 * pixels + (image.pixel_values.numel() * 4 if host_pixel_values else 0)
+    assert image.held_bytes(host_pixel_values) == image_bytes and image.pixel_values.numel() * 4 >= 8 * pixels
+    preparer = ImagePreparer(qwen2_vl.vision.processor, ImageConfig(decoded_cache_bytes=3 * image_bytes),
+                             host_pixel_values=host_pixel_values)
     for seed in range(10):
         preparer.prepare(encode(noise_image(64, 64, seed=seed)), "x")
     assert len(preparer._cache) == 3 and preparer._cached_bytes == 3 * image_bytes
