@@ -608,8 +608,9 @@ def main() -> None:
     for shape in args.shapes.split(","):
         # Written in a process of its own too: a model built on the GPU here would stay there (9.7 GiB
         # for 4B) while the modes measure.
-        model_dir = in_own_process(write_model, shape, args.work_dir / f"model-{shape}",
-                                   args.write_device or args.device)
+        model_dir = args.work_dir / f"model-{shape}"
+        if not (model_dir / INDEX).exists():  # (a process's start costs 15-20 s of imports on the GPU hosts)
+            in_own_process(write_model, shape, model_dir, args.write_device or args.device)
         if args.write_only:
             continue
         variants = args.variants.split(",")
