@@ -371,7 +371,7 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
     print(f"rank 0 loaded {shape} in {time.perf_counter() - start:.0f} s; base over {args.gpus} GPU(s): "
           f"{trainer.base_sharding}; packed rows' attention: {trainer.packed_attention}", flush=True)
     base = trainer.base
-    preparer = ImagePreparer(base.vision.processor, ImageConfig())
+    preparer = ImagePreparer(base.vision.processor, ImageConfig(), host_pixel_values=args.device == "cpu")
     context = RenderContext.build(base, 1 << 20, preparer)
     image_tokens = base.vision.processor.num_tokens(args.image_size, args.image_size)
     token = base.tokenizer.convert_tokens_to_ids
