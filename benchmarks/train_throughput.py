@@ -9,7 +9,9 @@ tower runs in every step), `image-cached`, the same 32 images in every step (the
 the cache after the first step, so the timed steps do not run the vision tower), `text` only, or `rl`: what
 an RL batch looks like, lengths spread log-uniformly between --min-sequence-length (default 200) and
 --sequence-length (e.g. 4096), 0-4 images a sequence, each new in its step or one of a pool of 16 that
-recur (cached; their vision FLOPs are not counted). --layouts packed,padded measures both micro-batch
+recur (cached; their vision FLOPs are not counted); `rl-sampled` is `rl` as an RL loop's training request
+finds it, its images decoded when they were sampled (in the server's decoded-image cache; the trainer's vision
+tower still encodes the new ones; in-process mode only). --layouts packed,padded measures both micro-batch
 layouts (--microbatch-layout), each in processes of its own, and prints their ratio (--packed-attention varlen
 runs packed rows as one varlen call per layer instead of one SDPA call per datum, the server's flag;
 --base-sharding shard or replicate, how --gpus N ranks hold the frozen base, the server's flag too). For
@@ -148,7 +150,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shapes", default="4b", help="comma-separated: 4b, 8b, qwen3.5-4b, qwen3.6-35b-a3b, tiny, tiny-moe")
     parser.add_argument("--variants", default="image,text",
                         help="comma-separated: image (new images every step), image-cached (the same images every "
-                             "step), text, rl (RL-like lengths and images, see above)")
+                             "step), text, rl (RL-like lengths and images, see above), rl-sampled (rl with its "
+                             "images decoded before the step, as sampling them leaves them)")
     parser.add_argument("--modes", default="inprocess,api", help="comma-separated: inprocess, api")
     parser.add_argument("--layouts", default=TrainerConfig.microbatch_layout,
                         help="comma-separated micro-batch layouts: packed, padded")
@@ -185,7 +188,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="print the operations and kernels that took most GPU time in one in-process step")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if "rl-sampled" in args.variants.split(",") and "api" in args.modes.split(","):
+        parser.error("--variants rl-sampled runs in-process only (--modes inprocess)")
+    return args
 
 
 # -- model and data ------------------------------------------------------------------------------------
@@ -316,7 +322,7 @@ def build_datums(args, shape: str, variant: str, step: int, image_tokens: int, v
     data = []
     for index in range(args.sequences):
         length = int(rng.integers(args.min_sequence_length or args.sequence_length, args.sequence_length + 1))
-        if variant == "rl":
+        if variant.startswith("rl"):
             chunks, weights, length = rl_datum(args, rng, vocab, step, index, image_tokens, vision_start, vision_end)
         elif variant.startswith("image"):
             before = rng.integers(1000, vocab, 64).tolist() + [vision_start]
@@ -342,7 +348,7 @@ def step_work(shape: str, variant: str, image_size: int, data: list[Datum]) -> t
     flops = sum(length * flops_per_token(shape, length) for length in lengths)
     if variant == "image":  # new images: the vision tower encodes each of them in this step
         flops += len(data) * vision_flops_per_image(shape, image_size)
-    if variant == "rl":
+    if variant.startswith("rl"):
         pool = {smooth_image(image_size, seed) for seed in range(RL_IMAGE_POOL)}
         new = sum(isinstance(chunk, ImageChunk) and chunk.data not in pool
                   for datum in data for chunk in datum.model_input.chunks)
@@ -371,7 +377,9 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
     print(f"rank 0 loaded {shape} in {time.perf_counter() - start:.0f} s; base over {args.gpus} GPU(s): "
           f"{trainer.base_sharding}; packed rows' attention: {trainer.packed_attention}", flush=True)
     base = trainer.base
-    preparer = ImagePreparer(base.vision.processor, ImageConfig(), host_pixel_values=args.device == "cpu")
+    # As the server's, but large enough to hold every step's images (rl-sampled decodes them all first).
+    preparer = ImagePreparer(base.vision.processor, ImageConfig(decoded_cache_bytes=4 << 30),
+                             host_pixel_values=args.device == "cpu")
     context = RenderContext.build(base, 1 << 20, preparer)
     image_tokens = base.vision.processor.num_tokens(args.image_size, args.image_size)
     token = base.tokenizer.convert_tokens_to_ids
@@ -385,6 +393,9 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
 
             if phases is not None:
                 phases.steps = []
+            if variant == "rl-sampled":  # what sampling these episodes would have left in the decoded-image cache
+                preparer.prepare_all([(chunk.data, "sampled") for data in steps for datum in data
+                                      for chunk in datum.model_input.chunks if isinstance(chunk, ImageChunk)])
 
             def step(step_index: int):
                 if phases is not None:
