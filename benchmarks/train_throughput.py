@@ -183,8 +183,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of one GPU (H100 SXM)")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/train-throughput"))
     parser.add_argument("--phases", action="store_true",
-                        help="also time rank 0's phases of each step (render, scatter, load, compute, gather, "
-                             "all-reduce, the rest), the GPU synchronised at each phase's end")
+                        help="also time rank 0's phases of each step (render, scatter, load, compute and each "
+                             "micro-batch of it, gather, all-reduce, the rest), the GPU synchronised at each "
+                             "phase's end")
     parser.add_argument("--profile", action="store_true",
                         help="print the operations and kernels that took most GPU time in one in-process step")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -432,8 +433,9 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
 class PhaseTimer:
     """Rank 0's seconds in each phase of a step (--phases), by wrapping the trainer's own calls; the device is
     synchronised at each phase's end, so a phase's time includes its GPU work. `gather` is mostly rank 0
-    waiting for the slowest other rank; `fb other` is forward_backward's own Python (planning, the results'
-    conversion), `optim other` the optimizer step and its checks, `rest` the step less all of these."""
+    waiting for the slowest other rank; `micro-batch N` is the Nth micro-batch's part of `compute`; `forward other`
+    is forward_backward's own Python (planning, the results' conversion), `optim other` the optimizer step and
+    its checks, `rest` the step less all of these."""
 
     INNER = (("commands", "broadcast"), ("scatter", "scatter"), ("load", "_load"), ("compute", "_run_microbatch"),
              ("gather", "gather"), ("all-reduce", "_sum_gradients"))

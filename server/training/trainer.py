@@ -137,25 +137,17 @@ class _UndoCopy:
 
     def __init__(self, optimizer: torch.optim.AdamW):
         self.optimizer = optimizer
-        self.parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-        self.state_keys = [tuple(optimizer.state.get(parameter, {})) for parameter in self.parameters]
+        self.without_moments = [parameter for group in optimizer.param_groups for parameter in group["params"]
+                                if not optimizer.state.get(parameter)]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in self._tensors():
+        for tensor in _optimizer_tensors(optimizer):
             by_dtype.setdefault(tensor.dtype, []).append(tensor.reshape(-1))  # a view where contiguous
         self.flats = {dtype: torch.cat(tensors) for dtype, tensors in by_dtype.items()}
 
-    def _tensors(self) -> list[torch.Tensor]:
-        """The weights, then the moments the step found, in the order they were copied."""
-        state = self.optimizer.state
-        return ([parameter.detach() for parameter in self.parameters]
-                + [state[parameter][key] for parameter, keys in zip(self.parameters, self.state_keys)
-                   for key in keys])
-
     def restore(self) -> None:
-        for parameter, keys in zip(self.parameters, self.state_keys):
-            if not keys:  # the step made its moments: there were none
-                self.optimizer.state.pop(parameter, None)
-        tensors = self._tensors()
+        for parameter in self.without_moments:  # the step made their moments
+            self.optimizer.state.pop(parameter, None)
+        tensors = _optimizer_tensors(self.optimizer)  # the same tensors, in the same order, as when copied
         for dtype, flat in self.flats.items():
             targets = [t for t in tensors if t.dtype == dtype]
             pieces = flat.split([t.numel() for t in targets])
