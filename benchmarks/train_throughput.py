@@ -187,7 +187,8 @@ def parse_args() -> argparse.Namespace:
                              "micro-batch of it, gather, all-reduce, the rest), the GPU synchronised at each "
                              "phase's end")
     parser.add_argument("--profile", action="store_true",
-                        help="print the operations and kernels that took most GPU time in one in-process step")
+                        help="print the operations and kernels that took most GPU time, and those that took most host time, "
+                             "in one in-process step")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     if "rl-sampled" in args.variants.split(",") and "api" in args.modes.split(","):
@@ -393,7 +394,7 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
             trainer.create_model(model_id, LoraConfig(rank=args.rank, seed=0))
 
             if phases is not None:
-                phases.steps = []
+                phases.steps, phases.microbatches = [], []
             if variant == "rl-sampled":  # what sampling these episodes would have left in the decoded-image cache
                 preparer.prepare_all([(chunk.data, "sampled") for data in steps for datum in data
                                       for chunk in datum.model_input.chunks if isinstance(chunk, ImageChunk)])
@@ -415,6 +416,7 @@ def run_inprocess(args, shape: str, model_dir: Path, variants: list[str]) -> dic
                                           peak_memory=peak_allocated if args.device == "cuda" else None)
             if phases is not None:
                 results[variant]["phases"] = phases.steps[args.warmup:]
+                results[variant]["microbatches"] = phases.microbatches[args.warmup:]
             results[variant]["work"] = [step_work(shape, variant, args.image_size, data)
                                         for data in steps[args.warmup:]]
             if args.profile and args.device == "cuda":
@@ -444,6 +446,8 @@ class PhaseTimer:
     def __init__(self, trainer, sync):
         self.sync = sync
         self.steps: list[dict[str, float]] = []
+        self.microbatches: list[list[dict]] = []
+        """Each step's micro-batches on rank 0: seconds, images and row lengths (attention grows as their squares)."""
         self._inner: dict[str, float] = {}
         self._outer: str | None = None
         self._microbatches = 0
@@ -459,6 +463,7 @@ class PhaseTimer:
 
     def start_step(self) -> None:
         self.steps.append(dict.fromkeys(["render"] + [phase for phase, _ in self.INNER + self.OUTER], 0.0))
+        self.microbatches.append([])
         self._inner = {phase: 0.0 for phase, _ in self.OUTER}
         self._microbatches = 0
         self._began = time.perf_counter()
@@ -488,6 +493,9 @@ class PhaseTimer:
                     if phase == "compute":  # each micro-batch's own too: does one of them take more than its tokens?
                         self._microbatches += 1
                         self.steps[-1][f"micro-batch {self._microbatches}"] = elapsed
+                        batch = args[0]
+                        self.microbatches[-1].append(dict(seconds=elapsed, images=len(batch.images),
+                                                          rows=[d.stop - d.start for d in batch.datums]))
                     if outer:
                         self._outer = None
                     elif self._outer is not None:
@@ -530,8 +538,10 @@ def profile_step(step, trace: Path) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
         step()
         torch.cuda.synchronize()
-    print(profiler.key_averages().table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90),
-          flush=True)
+    averages = profiler.key_averages()
+    print(averages.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90), flush=True)
+    # Where the host's time goes: a micro-batch whose kernels take less than launching them is bound by this.
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=90), flush=True)
     profiler.export_chrome_trace(str(trace))
     print(f"Chrome trace of the step: {trace}", flush=True)
 
@@ -653,6 +663,8 @@ def main() -> None:
                     names = dict.fromkeys(name for phases in phase_steps for name in phases)
                     by_mode[mode]["phases"] = {name: float(np.median([phases.get(name, 0.0) for phases in phase_steps]))
                                                for name in names}
+                    by_mode[mode]["microbatches"] = [step for results in repeats
+                                                     for step in results[variant]["microbatches"]]
                 rows.append(by_mode[mode])
             # Process i of each mode ran next to the other's process i: their ratio, pair by pair.
             suffixes = [f":{layout}" for layout in layouts] if len(layouts) > 1 else [""]
@@ -690,6 +702,11 @@ def main() -> None:
             if "phases" in row:
                 print(" " * 8 + "rank 0's median seconds: " + ", ".join(f"{name} {seconds:.3f}"
                                                                       for name, seconds in row["phases"].items()))
+                for number, step in enumerate(row["microbatches"], 1):
+                    print(" " * 8 + f"step {number}'s micro-batches on rank 0: " + "; ".join(
+                        f"{batch['seconds']:.3f} s for {sum(batch['rows'])} tokens ({len(batch['rows'])} rows, "
+                        f"longest {max(batch['rows'])}, sum of squares {sum(n * n for n in batch['rows']) / 1e6:.1f}M, "
+                        f"{batch['images']} images)" for batch in step))
 
 
 if __name__ == "__main__":

@@ -96,12 +96,32 @@ def apply_segment_attention(model: PreTrainedModel) -> None:
     model.config.get_text_config()._attn_implementation = SEGMENT_ATTENTION
 
 
-def pack_first_fit(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices of `lengths` in bins of at most `budget` tokens in all (one longer alone), first fit in
-    decreasing order of length: few bins, nearly full."""
+def pack_balanced(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of `lengths` in bins of at most `budget` tokens in all (one longer alone): as many bins as first
+    fit in decreasing order of length fills, their tokens as even as the lengths allow.
+
+    Even, because a micro-batch costs at least the host's time to launch its kernels (about 0.36 s for a 4B
+    forward and backward on an H200 host): 10,000 tokens as 8,192 + 1,808 cost two full micro-batches' time
+    where 5,000 + 5,000 cost little more than their tokens.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True)
+    first_fit = _first_fit(lengths, order, budget)
+    bins: list[list[int]] = [[] for _ in first_fit]
+    load = [0] * len(bins)
+    for index in order:  # longest first into the emptiest bin, the one it fits if any does
+        emptiest = load.index(min(load))
+        if bins[emptiest] and load[emptiest] + lengths[index] > budget:
+            return first_fit
+        bins[emptiest].append(index)
+        load[emptiest] += lengths[index]
+    return bins
+
+
+def _first_fit(lengths: list[int], order: list[int], budget: int) -> list[list[int]]:
+    """Indices in `order` in bins of at most `budget` tokens (one longer alone), each into the first with room."""
     bins: list[list[int]] = []
     room: list[int] = []
-    for index in sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True):
+    for index in order:
         fits = next((b for b, left in enumerate(room) if lengths[index] <= left), None)
         if fits is None:
             bins.append([index])

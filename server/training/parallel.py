@@ -168,6 +168,12 @@ def prepare_blocks(root: nn.Module, decoder_layers: nn.ModuleList, ignored: nn.M
     shard = group.world_size > 1 and sharding == "shard"
     if not shard:
         decoder_layers.to(group.device)
+    if compile:
+        # Every block shares its frames' compiled code, and transformers' `deprecate_kwarg` wrapper is one code
+        # object for the block's and its attention's forward: block 0's input needing no gradient, packed rows'
+        # first length and then any, padded rows, each times both callers, pass the default limit of 8 and that
+        # frame falls back to eager (seen on RL batches). Each variant compiles once; 32 bounds them still.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for index, layer in enumerate(decoder_layers):
         # Checkpointing, then compiling, then sharding each block: torchtitan's order.
         if activation_checkpointing:

@@ -31,7 +31,7 @@ from server.rendering.training import TrainingExample
 from server.training.forward import TargetLogprobs
 from server.training.losses import DatumLoss, MicrobatchLoss, combine_metrics, resolve_loss
 from server.training.operations import CreateModel, ForwardBackward, LoadState, OptimStep, RankCommand, Unload
-from server.training.packing import apply_segment_attention, cumulative_lengths, pack_first_fit, packed_attention
+from server.training.packing import apply_segment_attention, cumulative_lengths, pack_balanced, packed_attention
 from server.training.parallel import TrainingGroup, choose_base_sharding, prepare_blocks
 from server.wire.models import LoraConfig
 from server.wire.training import AdamParams
@@ -324,7 +324,7 @@ class Trainer:
     def _plan(self, examples: list[TrainingExample]) -> list[list[list[int]]]:
         """Datums (by index) split among ranks by tokens, then into micro-batches under the token budget.
 
-        Packed micro-batches are filled first fit, longest datum first; padded ones are length-sorted,
+        Packed micro-batches are as few as first fit needs and even in tokens; padded ones are length-sorted,
         which keeps padding small. With the base sharded every rank gets the same number of micro-batches
         (padded with empty ones), because each forward and backward is a collective under FSDP; a replicated
         base has no collective before the gradients' sum, so a rank with less work stops sooner.
@@ -341,7 +341,7 @@ class Trainer:
         for indices in per_rank:
             batches: list[list[int]] = []
             if self.packed:
-                bins = pack_first_fit([len(examples[i].input_ids) for i in indices], budget)
+                bins = pack_balanced([len(examples[i].input_ids) for i in indices], budget)
                 plans.append([[indices[i] for i in batch] for batch in bins])
                 continue
             for index in indices:  # longest first, so a batch's first datum sets its padded length

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from server.config import TrainerConfig
-from server.training.packing import cumulative_lengths, pack_first_fit, packed_attention
+from server.training.packing import cumulative_lengths, pack_balanced, packed_attention
 
 from support.packing import build_trainer, step_two_runs
 
@@ -51,5 +51,18 @@ def test_cumulative_lengths_give_each_datums_start_and_the_rows_end_as_int32():
     assert cu_seqlens.tolist() == [0, 5, 6, 36, 37]
 
 
-def test_first_fit_fills_micro_batches_up_to_the_budget_and_puts_a_longer_datum_alone():
-    assert pack_first_fit([50, 200, 70, 30, 90, 10], 100) == [[1], [4, 5], [2, 3], [0]]
+def test_packing_puts_a_longer_datum_alone_and_fills_no_more_micro_batches_than_first_fit():
+    assert pack_balanced([50, 200, 70, 30, 90, 10], 100) == [[1], [4], [2, 5], [0, 3]]  # first fit: 4 bins too
+
+
+def test_packing_evens_the_micro_batches_tokens_instead_of_leaving_a_small_last_one():
+    # First fit would give [4000, 4000] and [2000]: a small micro-batch costs the host nearly a full one's time.
+    bins = pack_balanced([4000, 4000, 1000, 1000], 8192)
+    assert sorted(sorted(b) for b in bins) == [[0, 2], [1, 3]]
+
+
+def test_packing_falls_back_to_first_fit_where_evening_out_would_overflow_a_micro_batch():
+    lengths = [5, 5, 4, 3, 3]  # first fit: [5, 5], [4, 3, 3]; longest first into the emptiest: 5+3+3 > 10
+    bins = pack_balanced(lengths, 10)
+    assert sorted(sorted(b) for b in bins) == [[0, 1], [2, 3, 4]]
+    assert all(sum(lengths[i] for i in b) <= 10 for b in bins)

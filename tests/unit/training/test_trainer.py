@@ -12,6 +12,7 @@ import logging
 import math
 import re
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -536,6 +537,16 @@ def test_compiled_blocks_give_the_eager_pass_of_several_runs_and_compile_once_fo
     # its attention call with two and one positional arguments: one entry for each, the same for every block.
     assert reasons and all(re.search(r"size mismatch|requires_grad mismatch|GLOBAL_STATE changed|len\(args\) == [12]",
                                      reason) for reason in reasons), reasons
+    # Rows of one length (one batched attention call, no graph break) and a forward-only pass are variants
+    # too; with those of the packed rows they pass dynamo's default limit of 8 on the shared wrapper's frame,
+    # which then runs eager. No frame may reach the limit.
+    model_id = create_run(compiled, PASS_RUNS[0][0], perturb_seed=95)
+    equal = sft_batch(95, [6, 6, 6], compiled.base.vocab_size)
+    compiled.forward_backward_pass([ForwardBackward(model_id, equal, "cross_entropy", None, False)])
+    compiled.forward_backward_pass([ForwardBackward(model_id, equal[:2], "cross_entropy", None, True)])
+    per_frame = Counter(re.search(r"Recompiling function (\S+ in \S+)", message).group(1)
+                        for message in recompiles.messages if "Recompiling function" in message)
+    assert max(per_frame.values()) < torch._dynamo.config.recompile_limit, per_frame
 
 
 class RecordedLogs(logging.Handler):
