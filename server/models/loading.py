@@ -16,6 +16,7 @@ import transformers
 from packaging.version import Version
 
 from server.config import ModelConfig
+from server.models.attention import use_varlen_vision_attention
 from server.models.image_processor import ImageProcessorSpec
 from server.models.registry import ModelFamily, VisionSpec, family_for
 from server.models.builtin import builtin_name, ensure_builtin_model, register_in_hub_cache, served_name
@@ -105,6 +106,8 @@ def load_base_model(config: ModelConfig, device: torch.device | str | None = Non
         else:
             model.to(device)
         model.eval().requires_grad_(False)
+        if family.vision is not None:
+            use_varlen_vision_attention(model.get_submodule(family.vision.tower_module))
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     eos = model.generation_config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else (tokenizer.eos_token_id,))

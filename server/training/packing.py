@@ -13,33 +13,22 @@ Shapes: B = rows, H = heads (K of them for keys and values under GQA), T = posit
 size, S = datums of a packed row.
 """
 
-import inspect
-
 import torch
-from torch.nn.attention.varlen import varlen_attn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from server.models.attention import without_cudnn_attention
+from server.models.attention import varlen_attention, varlen_runs, without_cudnn_attention
 
 SEGMENT_ATTENTION = "segment_sdpa"
 """The name this attention goes by in transformers' registries (the text config's attn implementation)."""
-
-# torch.nn.attention.varlen is new and still changing: the call below needs its keyword form with `scale` and
-# `window_size` (torch 2.11 has it); torch 2.12 added `enable_gqa`, which it then requires for fewer key/value
-# heads than query heads (the flash kernel took them before, unasked, as SDPA's GQA does).
-_VARLEN_PARAMETERS = inspect.signature(varlen_attn).parameters
-_VARLEN_CALLABLE = {"scale", "window_size"} <= _VARLEN_PARAMETERS.keys()
-_VARLEN_ASKS_GQA = "enable_gqa" in _VARLEN_PARAMETERS
 
 
 def packed_attention(setting: str, device: torch.device, dtype: torch.dtype) -> str:
     """`varlen` or `sdpa`, the attention of packed rows for --packed-attention `setting`: auto is varlen
     where PyTorch's varlen flash kernel runs (a CUDA GPU of compute capability 8.0 or more, bf16 or fp16),
     else sdpa; varlen where it cannot run is refused."""
-    runs = (_VARLEN_CALLABLE and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(device) >= (8, 0))
+    runs = varlen_runs(device, dtype)
     if setting == "varlen" and not runs:
         raise ValueError(f"--packed-attention varlen needs PyTorch's varlen flash kernel (torch {torch.__version__}"
                          f"), a CUDA GPU of compute capability 8.0 or more and bf16 or fp16; here {device}, {dtype}")
@@ -62,24 +51,14 @@ def segment_attention(module: torch.nn.Module, query_BHTD: torch.Tensor, key_BHT
     if segment_lengths is None:
         return sdpa_attention_forward(module, query_BHTD, key_BHTD, value_BHTD, attention_mask, **kwargs)
     if cu_seqlens is not None:
-        return _varlen_attention(query_BHTD, key_BHTD, value_BHTD, cu_seqlens, int(segment_lengths.max()),
-                                 kwargs.get("scaling")), None
+        return varlen_attention(query_BHTD, key_BHTD, value_BHTD, cu_seqlens, int(segment_lengths.max()),
+                                kwargs.get("scaling"), causal=True), None
     lengths = segment_lengths.tolist()
     with without_cudnn_attention(query_BHTD.device):
         pieces = [sdpa_attention_forward(module, query, key, value, None, **kwargs)[0]
                   for query, key, value in zip(query_BHTD.split(lengths, 2), key_BHTD.split(lengths, 2),
                                                value_BHTD.split(lengths, 2))]
     return torch.cat(pieces, dim=1), None
-
-
-def _varlen_attention(query_1HTD: torch.Tensor, key_1KTD: torch.Tensor, value_1KTD: torch.Tensor,
-                      cu_seqlens: torch.Tensor, longest: int, scaling: float | None) -> torch.Tensor:
-    """One causal varlen flash call over a packed row (GQA's K < H heads taken as they are); [1, T, H, D]."""
-    query_THD, key_TKD, value_TKD = (x[0].transpose(0, 1) for x in (query_1HTD, key_1KTD, value_1KTD))
-    gqa = {"enable_gqa": True} if _VARLEN_ASKS_GQA and key_TKD.shape[1] != query_THD.shape[1] else {}
-    output_THD = varlen_attn(query_THD, key_TKD, value_TKD, cu_seqlens, cu_seqlens, longest, longest,
-                             scale=scaling, window_size=(-1, 0), **gqa)  # (-1, 0): causal
-    return output_THD[None]
 
 
 def _segment_mask(attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
