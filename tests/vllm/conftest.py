@@ -5,6 +5,7 @@ server's vLLM plugin. Without it these tests fail: a skipped engine tier would l
 testing nothing. Engines here have no fallback: what vLLM does not serve is refused, not hidden.
 """
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +29,13 @@ VLLM_PYTHON = DEFAULT_VLLM_PYTHON
 # on 2 cores), 1 GiB of KV cache, no chunked prefill (on CPU, seeds would depend on the load).
 # qwen2-vl serves adapters (lm_head too) with a single adapter slot and a single loaded adapter
 # (the eviction test needs that), 4 sequences per request (num_samples above it is split) and a long
-# context (the context-length test samples all of it). qwen3-vl runs without LoRA: the configuration
+# context (the context-length test samples all of it); it logs each request it adds to its engine, which the
+# batching test waits for. qwen3-vl runs without LoRA: the configuration
 # in which vLLM serves prompt logprobs (with LoRA they go to the embedded engine, see sampling/vllm.py).
 ENGINE_CONFIGS = {
     "qwen2-vl": VLLMConfig(python=VLLM_PYTHON, max_model_len=2048, max_num_seqs=4, max_loras=1, max_lora_rank=8,
-                           max_cpu_loras=1, kv_cache_space_gib=1, enforce_eager=True, chunked_prefill=False),
+                           max_cpu_loras=1, kv_cache_space_gib=1, enforce_eager=True, chunked_prefill=False,
+                           extra_args=("--enable-log-requests",)),
     "qwen3-vl": VLLMConfig(python=VLLM_PYTHON, max_model_len=1024, max_num_seqs=8, max_loras=0,
                            kv_cache_space_gib=1, enforce_eager=True, chunked_prefill=False),
 }
@@ -85,6 +88,9 @@ def vllm_servers(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathF
         pytest.fail(f"no vLLM venv at {VLLM_PYTHON.parent.parent}: run `bash scripts/install_vllm.sh` "
                     f"(scripts/test.sh does)", pytrace=False)
     logs = tmp_path_factory.mktemp("vllm-logs")
+    # vLLM's development routes (/pause, /resume), which the batching test uses; read when each server starts.
+    dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE")
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     servers = {family: VLLMProcess(config, ServedModel(directory=model_dirs[family], name=f"tiny-{family}",
                                                        dtype="float32", refused_token_ids=REFUSED_TOKEN_IDS,
                                                        max_images_per_prompt=MAX_IMAGES_PER_PROMPT),
@@ -96,6 +102,10 @@ def vllm_servers(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathF
     yield servers
     for server in servers.values():
         server.close()
+    if dev_mode is None:
+        os.environ.pop("VLLM_SERVER_DEV_MODE")
+    else:
+        os.environ["VLLM_SERVER_DEV_MODE"] = dev_mode
 
 
 def _engine(family: str, servers: dict[str, VLLMProcess], model_dirs: dict[str, Path]) -> Iterator[Engine]:
