@@ -17,6 +17,7 @@ from safetensors.torch import load, save_file
 from server.errors import InvalidRequest
 from server.lora.experts import peft_target_parameters
 from server.lora.layers import LoraAdapter
+from server.models.registry import ATTENTION_PROJECTIONS, LINEAR_ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from server.wire.models import LoraConfig
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -133,15 +134,21 @@ def parse_checkpoint(files: CheckpointFiles, device: torch.device | str) -> Load
         meta = json.loads(files[META])
         lora_config, num_steps = LoraConfig.model_validate(meta["lora_config"]), meta["num_steps"]
     else:
-        kinds = {name.rpartition(".")[2] for name in adapter.lora_A}
-        lora_config = LoraConfig(rank=peft_config["r"], train_unembed="lm_head" in kinds,
-                                 train_attn=bool(kinds & {"q_proj", "k_proj", "v_proj", "o_proj"}),
-                                 train_mlp=bool(kinds & {"gate_proj", "up_proj", "down_proj"}))
-        num_steps = 0
+        lora_config, num_steps = _inferred_lora_config(adapter), 0
     optimizer_state = None
     if OPTIMIZER_STATE in files:
         optimizer_state = {name: tensor.to(device) for name, tensor in load(files[OPTIMIZER_STATE]).items()}
     return LoadedCheckpoint(adapter, lora_config, optimizer_state, num_steps)
+
+
+def _inferred_lora_config(adapter: LoraAdapter) -> LoraConfig:
+    """The train_* flags of an adapter saved without them (a sampler checkpoint, a PEFT adapter made elsewhere),
+    from its modules' names: a MoE's routed experts (fused, named by their module) count as its MLP."""
+    experts = peft_target_parameters(list(adapter.lora_A))
+    leaves = {name.rpartition(".")[2] for name in adapter.lora_A if name not in experts}
+    return LoraConfig(rank=adapter.rank, train_unembed="lm_head" in leaves,
+                      train_attn=bool(leaves & {*ATTENTION_PROJECTIONS, *LINEAR_ATTENTION_PROJECTIONS}),
+                      train_mlp=bool(experts) or bool(leaves & set(MLP_PROJECTIONS)))
 
 
 def load_checkpoint(directory: Path, device: torch.device | str, with_optimizer: bool) -> LoadedCheckpoint:

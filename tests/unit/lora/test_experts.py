@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForImageTextToText
 
 from server.config import ModelConfig
-from server.lora.checkpoint_io import save_peft_adapter
+from server.lora.checkpoint_io import load_checkpoint, save_peft_adapter
 from server.lora.layers import AdapterStack, LoraAdapter, apply_lora_wrappers, select_targets, use_adapter, \
     use_adapter_rows
 from server.models.loading import load_base_model
@@ -153,3 +153,18 @@ def test_a_saved_expert_adapter_loads_in_peft_with_the_same_logits(moe, tmp_path
     peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base_dir), tmp_path).eval()
     with torch.no_grad():
         torch.testing.assert_close(logits_BTV(peft_model, INPUT_IDS_BT), ours, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("flags", [dict(train_attn=False, train_mlp=True, train_unembed=False),
+                                   dict(train_attn=True, train_mlp=False, train_unembed=True)])
+def test_a_sampler_checkpoint_of_an_expert_adapter_loads_with_the_flags_it_was_trained_with(moe, tmp_path, flags):
+    # A sampler checkpoint keeps no LoraConfig; the flags come back from its modules' names, where the routed
+    # experts are named by their module (its `.base_layer` the fused gate_up projection), not by a projection.
+    _, _, targets, _, _ = moe
+    adapter = random_adapter(select_targets(targets, **flags), 5, 4)
+    save_peft_adapter(tmp_path, adapter, "tiny")
+    loaded = load_checkpoint(tmp_path, "cpu", with_optimizer=False)
+    assert loaded.lora_config.model_dump(include=set(flags)) == flags
+    assert loaded.adapter.lora_A.keys() == adapter.lora_A.keys()
+    for name, lora_B in adapter.lora_B.items():
+        torch.testing.assert_close(loaded.adapter.lora_B[name], lora_B, atol=0, rtol=0)
