@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from server.lora.layers import AdapterSlot, AdapterStack, use_adapter_rows
+from server.sampling.host_copies import to_device
 
 
 def new_cache(text_config, hybrid: bool) -> DynamicCache:
@@ -77,7 +78,7 @@ class DynamicBatchCache:
 
     def join(self, prefilled: DynamicCache, mask_NP: torch.Tensor) -> None:
         """Append the prefilled rows; the shorter side is left-padded (masked-out zero keys)."""
-        mask_NP = mask_NP.to(self.device)
+        mask_NP = to_device(mask_NP, self.device)
         if self.cache is None:
             self.cache, self.mask_RL = prefilled, mask_NP
             return
@@ -91,7 +92,7 @@ class DynamicBatchCache:
         if not kept:
             self.clear()
             return
-        keep_R = torch.tensor(kept, device=self.device)
+        keep_R = to_device(kept, self.device)
         select_rows(self.cache, keep_R)
         self.mask_RL = self.mask_RL[keep_R]
         first_used = int(self.mask_RL.any(dim=0).nonzero()[0])

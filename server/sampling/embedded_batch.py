@@ -29,6 +29,7 @@ from server.sampling.batch_cache import DynamicBatchCache, new_cache, row_positi
 from server.sampling.decode_graphs import DecodeRunner, DecodeSettings
 from server.sampling.draws import best_alternatives, draw, sample_tokens
 from server.sampling.embedded_requests import _Active, _Joining, _Part, _PromptView
+from server.sampling.host_copies import to_device
 from server.sampling.prefix_cache import PrefixCache, Segment, block_keys, content_ids
 from server.sampling.static_cache import StaticBatchCache
 from server.sampling.types import PromptAltTokens
@@ -219,7 +220,7 @@ class _Batch:
         rows = [(part.active, part.first + index) for part in parts for index in range(part.count)]
         if len(rows) > len(parts):  # a part of several samples: its prefilled row is repeated for each
             expand = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor([part.count for part in parts]))
-            expand_R = expand.to(self.device)
+            expand_R = to_device(expand, self.device)
             select_rows(cache, expand_R)
             mask_MP, next_position_M = mask_MP[expand], next_position_M[expand_R]
             last_logits_MV = last_logits_MV[expand_R]
@@ -277,18 +278,18 @@ class _Batch:
         # Rows without padding (one alone, always) need no mask: the model's causal one is implied, which spares
         # building a 4D mask and lets SDPA take its causal kernels (and spares the check for padding that waits
         # on the device).
-        attention_mask = None if bool(mask_MP.all()) else mask_MP.to(self.device)
+        attention_mask = None if bool(mask_MP.all()) else to_device(mask_MP, self.device)
         with torch.no_grad(), self._rows(adapter_M), without_cudnn_attention(self.device):
             hidden_MND = self.m.model.model(
-                input_ids=input_ids_MN.to(self.device), attention_mask=attention_mask,
-                position_ids=positions.to(self.device), past_key_values=cache, use_cache=True, **kwargs,
+                input_ids=to_device(input_ids_MN, self.device), attention_mask=attention_mask,
+                position_ids=to_device(positions, self.device), past_key_values=cache, use_cache=True, **kwargs,
             ).last_hidden_state
             last_logits_MV = self.m.model.lm_head(hidden_MND[:, -1:]).float()[:, 0]
         for row, plan in enumerate(plans):
             active, sequence = plan.part.active, plan.view.sequence
             if active.request.logprobs.scores_prompt and plan.part.first == 0:  # never cached: it runs whole
                 self._score_prompt(active, hidden_MND[row, width - len(sequence):], sequence, adapter_M[row:row + 1])
-        return cache, mask_MP, next_position_M.to(self.device), last_logits_MV
+        return cache, mask_MP, to_device(next_position_M, self.device), last_logits_MV
 
     @staticmethod
     def _past(plans: list[_Prefill], past: int, layer: int, kind: str) -> torch.Tensor:
@@ -363,10 +364,9 @@ class _Batch:
         self.token_R = torch.cat([self.token_R, torch.zeros_like(next_position_N)])
         self.row_adapter_R = torch.cat([self.row_adapter_R, adapter_N])
         options = [active.request.options for active, _ in rows]
-        self.temperature_R = torch.cat([self.temperature_R, torch.tensor([o.temperature for o in options],
-                                                                         device=self.device)])
-        self.top_k_R = torch.cat([self.top_k_R, torch.tensor([o.top_k for o in options], device=self.device)])
-        self.top_p_R = torch.cat([self.top_p_R, torch.tensor([o.top_p for o in options], device=self.device)])
+        self.temperature_R = torch.cat([self.temperature_R, to_device([o.temperature for o in options], self.device)])
+        self.top_k_R = torch.cat([self.top_k_R, to_device([o.top_k for o in options], self.device)])
+        self.top_p_R = torch.cat([self.top_p_R, to_device([o.top_p for o in options], self.device)])
         self.rows += rows
 
     # -- decoding ------------------------------------------------------------------------------
@@ -390,7 +390,7 @@ class _Batch:
         logprobs_RV = logits_RV.log_softmax(dim=-1)
         at = slice(rows.start, rows.stop) if len(rows) < len(self.rows) else slice(None)  # no slicing ops for all
         drawn = self.rows[at]
-        uniform_R = torch.tensor([active.streams[sample].random() for active, sample in drawn], device=self.device)
+        uniform_R = to_device([active.streams[sample].random() for active, sample in drawn], self.device)
         options = [active.request.options for active, _ in drawn]
         vocab = logits_RV.shape[-1]
         tokens_R = sample_tokens(logits_RV, self.temperature_R[at], self.top_k_R[at], self.top_p_R[at], uniform_R,
@@ -450,7 +450,7 @@ class _Batch:
             return
         self.rows = [self.rows[row] for row in keep]
         self.cache.keep(keep)
-        keep_R = torch.tensor(keep, device=self.device)
+        keep_R = to_device(keep, self.device)
         (self.position_R, self.token_R, self.row_adapter_R, self.temperature_R, self.top_k_R,
          self.top_p_R) = (t[keep_R] for t in (self.position_R, self.token_R, self.row_adapter_R,
                                               self.temperature_R, self.top_k_R, self.top_p_R))
@@ -499,8 +499,7 @@ class _Batch:
         self.row_adapter_R = self._adapter_indices([active.adapter for active, _ in self.rows])
 
     def _adapter_indices(self, adapters: list[LoraAdapter | None]) -> torch.Tensor:
-        return torch.tensor([self.adapter_index.get(id(a), -1) for a in adapters], dtype=torch.long,
-                            device=self.device)
+        return to_device([self.adapter_index.get(id(a), -1) for a in adapters], self.device, torch.long)
 
     def _rows(self, adapter_R: torch.Tensor):
         """The context in which the model's forward gives row r the adapter `adapter_index` maps to adapter_R[r]."""

@@ -16,6 +16,8 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
+from server.sampling.host_copies import to_device
+
 # Growth doubles a capacity; past this many times the batch's own budget of positions, a growing buffer is
 # sized to what the batch holds now instead (rows and columns rarely peak at the same time).
 _MAX_POSITIONS_OVER_BUDGET = 4
@@ -118,7 +120,7 @@ class StaticBatchCache:
             for buffer, new in zip(buffers, layers):
                 buffer[self.rows:stop, :, start:end] = new
         self.mask_RL[self.rows:stop] = False
-        self.mask_RL[self.rows:stop, start:end] = mask_NP.to(self.device, dtype=torch.bool)
+        self.mask_RL[self.rows:stop, start:end] = to_device(mask_NP != 0, self.device)
         self.starts += [start + int(first) for first in (mask_NP != 0).int().argmax(dim=1)]
         self.rows = stop
 
@@ -130,7 +132,7 @@ class StaticBatchCache:
             self.clear()
             return
         else:
-            index_N = torch.tensor(kept, device=self.device)
+            index_N = to_device(kept, self.device)
             low = min(self.starts[row] for row in kept)
             for buffer in self.keys + self.values:
                 buffer[:len(kept), :, low:self.width] = buffer[index_N, :, low:self.width]
