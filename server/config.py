@@ -329,6 +329,7 @@ class ServerConfig:
             raise ValueError(f"--auth none would let anyone who reaches {self.host} train and read every result; "
                              f"it is only allowed on a loopback --host (127.0.0.1, ::1, localhost)")
         _check_placement(self.model, self.trainer, self.sampler)
+        _check_vllm_dtype(self.model, self.sampler)
         chunk = self.client.fwdbwd_max_chunk_len
         if chunk is not None and chunk > self.limits.max_datums_per_request:
             raise ValueError(f"--fwdbwd-max-chunk-len {chunk} is over --max-datums-per-request "
@@ -362,6 +363,19 @@ def _check_placement(model: ModelConfig, trainer: TrainerConfig, sampler: Sample
                          f"share GPU(s) {_listed(sorted(shared))} but not all: give vLLM GPUs of its own, or "
                          f"exactly the training GPUs to colocate (then lower vLLM's memory share, e.g. "
                          f"--vllm-extra-args '--gpu-memory-utilization 0.3')")
+
+
+def _check_vllm_dtype(model: ModelConfig, sampler: SamplerConfig) -> None:
+    """A vLLM the server starts on GPUs runs in --dtype; with adapters it must be a 16-bit one."""
+    vllm = sampler.vllm
+    if vllm is None or vllm.urls or not vllm.max_loras or model.device_type != "cuda" or model.dtype != "float32":
+        return
+    # vLLM's LoRA kernels on a GPU (its punica Triton ops) take only fp16/bf16: in float32 its engine dies on
+    # the first request with an adapter, failing every request it holds (seen with vLLM 0.26 on an H100).
+    raise ValueError("--sampler vllm on a GPU with --dtype float32: vLLM's LoRA kernels on GPUs take bfloat16 or "
+                     "float16 only, and a float32 vLLM dies on its first request with an adapter; use --dtype "
+                     "bfloat16, or --vllm-max-loras 0 (adapters then sample on the embedded engine), or the "
+                     "embedded sampler")
 
 
 def _listed(devices) -> str:

