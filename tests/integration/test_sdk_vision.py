@@ -152,6 +152,31 @@ def test_sampler_logprobs_equal_the_trainers_forward_on_image_prompts(vision_ser
                                    atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen3-vl-moe", "qwen3.5-moe"])
+def test_an_adapter_of_the_routed_experts_alone_samples_from_its_saved_path(vision_servers, family):
+    # A sampler checkpoint keeps no train_* flags: the engine infers them from the modules' names, where the
+    # routed experts are named by their module. An experts-only adapter once inferred none and every request
+    # sampled from its path failed with a 500.
+    service = vision_servers(family).service_client()
+    tc = service.create_lora_training_client(base_model=f"builtin:tiny-{family}", rank=4, seed=5, train_attn=False,
+                                             train_unembed=False).result()
+    prompts = ImagePrompts(tc)
+    data = [prompts.datum(prompts.user_turn([noise(64, 48, seed=10)], "What is it?"), "noise"),
+            prompts.datum(prompts.user_turn([], "Say something."), "something")]
+    base = forward_logprobs(tc, data)
+    for _ in range(2):
+        tc.forward_backward(data, "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    trained = forward_logprobs(tc, data)
+    assert max(np.abs(t - b).max() for t, b in zip(trained, base)) > 1e-3  # the experts' factors moved them
+    path = tc.save_weights_for_sampler("experts-only").result().path
+    sampler = service.create_sampling_client(model_path=path).result()
+    for datum, expected in zip(data, trained):
+        computed = np.array(sampler.compute_logprobs(prompts.full_sequence(datum)).result()[1:], dtype=np.float64)
+        text = prompts.text_targets(datum)
+        np.testing.assert_allclose(computed[text], expected[text], atol=1e-4)
+
+
 def test_batches_with_images_are_permutation_invariant_and_cover_every_kind_of_image(qwen2_vl):
     service, tc, prompts = qwen2_vl
     repeated = noise(80, 80, seed=5)
